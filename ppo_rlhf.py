@@ -1,0 +1,807 @@
+"""PPO for RLHF in one file: fine-tune a language model against a reward model (or a reward function).
+
+    python ppo_rlhf.py                       # built-in toy task, offline, CPU, ~2 min: a tiny Llama learns to add
+    python ppo_rlhf.py --model_name_or_path <sft> --reward_model_path <rm> --dataset prompts.jsonl ...
+
+A state s_t is the prompt x plus the response so far y_<t, an action is the next token y_t. For a response
+y_1..y_L sampled from π_old (the policy that generated it) the per-token reward and the losses are
+    r_t    = −β·KL_t + [t = L]·score(x, y)        KL_t = log π_old(y_t|s_t) − log π_ref(y_t|s_t)    (k1)
+    A_t    = GAE(γ, λ) of r_t with the value model V(s_t);   R_t = A_t + V_old(s_t)
+    L_clip = −E_t[min(ρ_t·A_t, clip(ρ_t, 1−ε, 1+ε)·A_t)]       ρ_t = π_θ(y_t|s_t) / π_old(y_t|s_t)
+    L_V    = ½·E_t[max((V − R_t)², (clip(V, V_old ± ε_v) − R_t)²)]        loss = L_clip + c_v·L_V
+PPO is on-policy: sample a batch with the current policy and keep each token's log-prob, take num_ppo_epochs
+passes of small steps over that fresh batch, then throw it away. ρ_t corrects for π_θ drifting from π_old
+inside those epochs, but only for the choice of token, not for the states a drifted policy would visit; the
+clip, the KL penalty to π_ref and target_kl early stopping keep π_θ close enough for that to hold.
+
+Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF), and Huang et al.
+2024 ("The N+ implementation details of RLHF with PPO"); flag and metric names follow TRL's PPOTrainer.
+Differs from TRL on purpose: the score lands on the last real response token (TRL: one past it), every
+forward gets position_ids, and sampling is a plain loop over softmax(z / T) (no generation_config surprises).
+"""
+import copy
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+import tyro
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import DynamicCache
+
+
+@dataclass
+class Args:
+    # --- experiment
+    exp_name: str = "ppo_rlhf"
+    """name of this run (used in the default output_dir and in wandb)"""
+    seed: int = 1
+    """seed of python and torch: prompt order, sampling, new weights"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, the policy and the value model go; default runs/<exp_name>__<seed>__<unix time>"""
+    track: bool = False
+    """log metrics to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project_name: str = "ppo_rlhf"
+    """wandb project, with --track"""
+    num_sample_generations: int = 10
+    """print a few completions with their scores this many times during training (0: never)"""
+
+    # --- models and data
+    model_name_or_path: str = "builtin"
+    """policy (SFT) checkpoint: hub name or local folder; `builtin` builds the toy task's tiny Llama"""
+    ref_model_path: Optional[str] = None
+    """reference policy π_ref for the KL penalty; default: a frozen copy of the initial policy"""
+    value_model_path: Optional[str] = None
+    """value model init; default: the reward model if given, else the policy checkpoint with a fresh scalar head"""
+    reward_model_path: Optional[str] = None
+    """reward model (sequence classifier, 1 label); if given it is used instead of --reward_fn"""
+    reward_fn: Optional[str] = "ppo_rlhf:addition_reward"
+    """`module:function` or `file.py:function` mapping (prompts, completions) to a list of floats"""
+    dataset: str = "builtin"
+    """prompts: a .txt (one per line), a .jsonl (`prompt`, or chat `messages`), or a hub dataset (needs `datasets`)"""
+    dataset_train_split: str = "train"
+    """split of a hub dataset"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers that ship their own code"""
+
+    # --- rollout
+    total_episodes: int = 38400
+    """prompts (episodes) over the whole run; updates = total_episodes // rollout batch"""
+    response_length: int = 2
+    """most tokens sampled per response"""
+    temperature: float = 1.0
+    """sampling temperature T: the policy is softmax(logits / T), in rollout and in training"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """end responses at the tokenizer's EOS (None: always sample response_length tokens)"""
+    stop_token_id: Optional[int] = None
+    """end responses at this token id instead"""
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of responses that contain no EOS"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation and scoring forward during the rollout"""
+
+    # --- PPO
+    per_device_train_batch_size: int = 128
+    """with gradient_accumulation_steps, the rollout batch: prompts per update = this x gradient_accumulation_steps"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per minibatch (one optimizer step per minibatch)"""
+    num_mini_batches: int = 2
+    """minibatches (optimizer steps) per pass over the rollout batch"""
+    num_ppo_epochs: int = 4
+    """passes over each rollout batch"""
+    kl_coef: float = 0.05
+    """β, the per-token KL penalty coefficient"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """k1: log π_old/π_ref (unbiased, can be < 0); k3: ρ − 1 − log ρ with ρ = π_ref/π_old (unbiased, >= 0)"""
+    cliprange: float = 0.2
+    """ε of the clipped surrogate"""
+    cliprange_value: float = 0.2
+    """ε_v of the clipped value loss"""
+    vf_coef: float = 0.1
+    """c_v, weight of the value loss"""
+    gamma: float = 1.0
+    """discount γ"""
+    lam: float = 0.95
+    """GAE λ"""
+    whiten_rewards: bool = False
+    """scale per-token rewards to unit variance over the batch (mean kept)"""
+    target_kl: Optional[float] = None
+    """stop this update's epochs once the approx KL(π_old‖π_θ) of a minibatch exceeds this"""
+
+    # --- optimisation
+    learning_rate: float = 1e-3
+    """AdamW learning rate (the default suits the toy task; real models want ~1e-6 to 3e-6)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0 over the run"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm of policy + value parameters"""
+
+    # --- system
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """bf16/fp16: autocast forwards and backwards, fp32 master weights and optimizer; frozen models in that dtype"""
+
+
+def fail(message):
+    """Bad input ends the run with one line naming the flag to fix, before anything is written."""
+    raise SystemExit(f"error: {message}")
+
+
+# ------------------------------------------------------------------------------------------ math (pure)
+def masked_mean(x, mask, dim=None):
+    """Σ x·m / Σ m over the real (mask=True) entries."""
+    x = torch.where(mask, x, 0.0)
+    return x.sum() / mask.sum() if dim is None else x.sum(dim) / mask.sum(dim)
+
+
+def masked_var(x, mask):
+    """Unbiased variance of the real entries."""
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    return masked_mean((x - mean) ** 2, mask) * n / (n - 1)
+
+
+def masked_whiten(x, mask, shift_mean=True):
+    """(x − μ) / σ over the real entries; shift_mean=False keeps μ (scales only)."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def logprobs_chunk_rows(vocab_size):
+    """Rows per chunk so that one float32 chunk of logits is about 64 MiB."""
+    return max(1, 2**24 // vocab_size)
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """log π(a) = z_a/T − logsumexp(z/T) and the entropy H = logsumexp(z/T) − Σ_v π_v·z_v/T, in float32,
+    one chunk of rows at a time: never a float32 copy of the whole (N, V) logits.
+    Backward: ∂ log π(a) / ∂z = (onehot(a) − π) / T, again chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature):  # logits (N, V) any float dtype, tokens (N,)
+        n, chunk = logits.shape[0], logprobs_chunk_rows(logits.shape[1])
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(lse)
+        for s in range(0, n, chunk):
+            z = logits[s : s + chunk].float() / temperature
+            lse[s : s + chunk] = z.logsumexp(-1)
+            probs = (z - lse[s : s + chunk, None]).exp_()
+            entropy[s : s + chunk] = lse[s : s + chunk] - (probs * z).sum(-1)
+        logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1).float() / temperature - lse
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _):
+        logits, tokens, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        chunk = logprobs_chunk_rows(logits.shape[1])
+        for s in range(0, logits.shape[0], chunk):
+            g = grad_logprobs[s : s + chunk, None]
+            probs = (logits[s : s + chunk].float() / ctx.temperature - lse[s : s + chunk, None]).exp_()
+            grad[s : s + chunk] = ((-probs * g).scatter_add_(-1, tokens[s : s + chunk, None], g) / ctx.temperature)
+        return grad, None, None
+
+
+def token_logprobs(logits, tokens, temperature=1.0):
+    """(B, T, V) logits, (B, T) tokens -> log π(token) (B, T) and entropy (B, T), both float32."""
+    logprobs, entropy = TokenLogprobs.apply(logits.flatten(0, 1), tokens.flatten(), temperature)
+    return logprobs.view(tokens.shape), entropy.view(tokens.shape)
+
+
+def first_true_index(bools):
+    """(B, T) -> (B,): index of the first True in each row, T where there is none."""
+    t = bools.shape[-1]
+    return torch.where(bools, torch.arange(t, device=bools.device), t).min(-1).values
+
+
+def response_lengths(responses, stop_token_id):
+    """Real tokens per response: up to and including the first stop token, all of them if there is none."""
+    if stop_token_id is None:
+        return torch.full(responses.shape[:1], responses.shape[1], device=responses.device)
+    return (first_true_index(responses == stop_token_id) + 1).clamp(max=responses.shape[1])
+
+
+def kl_penalty(logprobs, ref_logprobs, kl_estimator):
+    """Per-token estimate of KL(π_old‖π_ref) from tokens sampled by π_old: k1 = −log ρ, k3 = ρ − 1 − log ρ,
+    with ρ = π_ref/π_old (Schulman 2020, "Approximating KL divergence")."""
+    log_ratio = ref_logprobs - logprobs
+    return -log_ratio if kl_estimator == "k1" else log_ratio.exp() - 1 - log_ratio
+
+
+def per_token_rewards(scores, kl, response_mask, kl_coef):
+    """r_t = −β·KL_t, plus the sequence's score on its last real token; 0 after it. (B,), (B, T) -> (B, T)."""
+    rewards = torch.where(response_mask, -kl_coef * kl, 0.0)
+    last = response_mask.sum(-1) - 1
+    rewards[torch.arange(len(scores), device=scores.device), last] += scores
+    return rewards
+
+
+def gae(rewards, values, response_mask, gamma, lam):
+    """δ_t = r_t + γ·V_{t+1} − V_t;  A_t = δ_t + γλ·A_{t+1};  R_t = A_t + V_t. V and A are 0 after the last real
+    token, so the episode ends there (at the stop token or at response_length). (B, T) -> (B, T), (B, T)."""
+    values = torch.where(response_mask, values, 0.0)
+    rewards = torch.where(response_mask, rewards, 0.0)
+    advantages = torch.zeros_like(rewards)
+    next_value, next_advantage = torch.zeros_like(rewards[:, 0]), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantages[:, t] = next_advantage = delta + gamma * lam * next_advantage
+        next_value = values[:, t]
+    return advantages, advantages + values
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange):
+    """Clipped surrogate −E[min(ρ·A, clip(ρ, 1−ε, 1+ε)·A)]; also the fraction of tokens where the clip is active
+    and the approx KL(π_old‖π_θ) ≈ E[(ρ − 1) − log ρ] (k3, unbiased and >= 0)."""
+    log_ratio = logprobs - old_logprobs
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), mask)
+    approxkl = masked_mean((ratio - 1) - log_ratio, mask)
+    return loss, clipfrac, approxkl
+
+
+def value_loss(values, old_values, returns, mask, cliprange_value):
+    """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the fraction of tokens where the clip is active."""
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), mask)
+    return loss, masked_mean((clipped_loss > unclipped_loss).to(loss.dtype), mask)
+
+
+def explained_variance(predicted, target, mask):
+    """1 − Var[target − predicted] / Var[target]: 1 is a perfect value function, 0 no better than a constant."""
+    return 1 - masked_var(target - predicted, mask) / masked_var(target, mask)
+
+
+def prompt_indices(num_prompts, batch_size, update, seed):
+    """Prompts of update `update` (0-based): the next batch_size of an endless stream of reshuffled passes over the
+    data. A pure function of its arguments, so the position in the stream is just the update counter."""
+    start = update * batch_size
+    passes = range(start // num_prompts, (start + batch_size - 1) // num_prompts + 1)
+    stream = torch.cat([torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + p)) for p in passes])
+    offset = start - passes[0] * num_prompts
+    return stream[offset : offset + batch_size]
+
+
+def left_pad(sequences, pad_token_id):
+    """Lists of token ids -> ids (B, P) and attention mask (B, P), padded on the left so all prompts end at P."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = True
+    return ids, mask
+
+
+# ------------------------------------------------------------------------------------------ models
+def load_pretrained(cls, path, flag, args, **kwargs):
+    """from_pretrained with dropout off (it would make the training forward disagree with the rollout's π_old)."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
+        for key, value in config.to_dict().items():
+            if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
+                setattr(config, key, 0.0)
+        model = cls.from_pretrained(path, config=config, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def load_tokenizer(path, flag, args):
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        fail(f"--{flag} {path!r}: no tokenizer could be loaded: {str(e).strip().splitlines()[0]}")
+
+
+def ensure_pad_token(tokenizer):
+    """Give a tokenizer without a pad token, or whose pad token is EOS, a distinct one: EOS is an action the policy
+    takes and must never be mistaken for padding."""
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    return tokenizer
+
+
+def fit_tokenizer(model, tokenizer):
+    """Make room for an added pad token and record it in the config (HF's own pooling reads config.pad_token_id)."""
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def forward(model, input_ids, attention_mask, keep):
+    """One forward over a padded batch (B, S) -> the last `keep` positions: logits (B, keep, V) of a causal LM, or
+    the per-token scalar (B, keep) of a sequence classifier's `score` head (value and reward models).
+    position_ids count real tokens only, so left padding changes nothing (GPT-2 is off by ~0.5 nats without)."""
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
+    if hasattr(model, "score"):
+        hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state[:, -keep:]
+        return model.score(hidden).squeeze(-1).float()
+    return model(**kwargs, logits_to_keep=keep).logits
+
+
+def response_logprobs(policy, query_responses, attention_mask, context_length, temperature):
+    """log π(y_t|s_t) and entropy for every response position (B, R). Logits at position P−1+t predict response
+    token t, so the last token is never fed and only the R response positions get logits."""
+    responses = query_responses[:, context_length:]
+    logits = forward(policy, query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1])
+    return token_logprobs(logits, responses, temperature)
+
+
+def state_values(value_model, query_responses, attention_mask, context_length):
+    """V(s_t) for every response position (B, R), read at the token before y_t."""
+    return forward(value_model, query_responses[:, :-1], attention_mask[:, :-1], query_responses.shape[1] - context_length)
+
+
+@torch.inference_mode()
+def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_id, pad_token_id):
+    """Sample y_t ~ softmax(z_t / T) token by token with a KV cache: exactly the policy we train (no top-k/top-p).
+    Returns responses (B, L) and log π_old(y_t|s_t) (B, L); after a row's stop token come pad ids and log-prob 0.
+    L < max_new_tokens when every row stopped early."""
+    cache_kw = "cache" if "cache" in inspect.signature(policy.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=policy.config)
+    ids, mask = queries, query_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    tokens, logprobs = [], []
+    for _ in range(max_new_tokens):
+        out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+        logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V)
+        token = torch.multinomial(logp.exp(), 1).squeeze(1).masked_fill(done, pad_token_id)
+        tokens.append(token)
+        logprobs.append(logp.gather(1, token[:, None]).squeeze(1).masked_fill(done, 0.0))
+        if stop_token_id is not None:
+            done |= token == stop_token_id
+        if done.all():
+            break
+        ids, positions = token[:, None], positions[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1)
+
+
+@torch.inference_mode()
+def score_texts(reward_model, reward_tokenizer, texts, add_special_tokens):
+    """Scores of a reward model with its own tokenizer, on the decoded text (B,). A decoder's `score` head is read at
+    the last real token; an encoder classifier pools by itself."""
+    device = next(reward_model.parameters()).device
+    enc = reward_tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=add_special_tokens).to(device)
+    mask = enc["attention_mask"].bool()
+    if not hasattr(reward_model, "score"):
+        return reward_model(**enc).logits[:, 0].float()
+    last = (mask * torch.arange(mask.shape[1], device=device)).argmax(1, keepdim=True)
+    return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
+
+
+# ------------------------------------------------------------------------------------------ data and rewards
+def read_prompts(dataset, split):
+    """-> list of prompts, each a string or a list of chat messages."""
+    if dataset.endswith((".txt", ".jsonl")):
+        try:
+            with open(dataset, encoding="utf-8") as f:
+                lines = [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"--dataset {dataset!r} cannot be read: {e}")
+        if dataset.endswith(".txt"):
+            return lines
+        rows = []
+        for i, line in enumerate(lines):
+            try:
+                row = json.loads(line)
+                rows.append(row["prompt"] if "prompt" in row else row["messages"])
+            except (ValueError, KeyError, TypeError):
+                fail(f"--dataset {dataset!r} line {i + 1}: expected a JSON object with a `prompt` or `messages` field")
+        return rows
+    if os.path.exists(dataset):
+        fail(f"--dataset {dataset!r}: use a .txt or .jsonl file")
+    try:
+        import datasets
+    except ImportError:
+        fail(f"--dataset {dataset!r} is not a local .txt/.jsonl file; loading a hub dataset needs `pip install datasets`")
+    try:
+        data = datasets.load_dataset(dataset, split=split)
+    except Exception as e:  # datasets raises many kinds; all mean this flag is wrong
+        fail(f"--dataset {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
+    column = "prompt" if "prompt" in data.column_names else "messages"
+    if column not in data.column_names:
+        fail(f"--dataset {dataset!r} has no `prompt` or `messages` column")
+    return list(data[column])
+
+
+def render_prompts(rows, tokenizer):
+    """Chat messages go through the tokenizer's chat template (a trailing assistant turn is dropped).
+    -> prompt texts, their token ids, and the messages (None for plain text)."""
+    texts, messages = [], []
+    for row in rows:
+        if isinstance(row, str):
+            texts.append(row)
+            messages.append(None)
+            continue
+        if row and row[-1].get("role") == "assistant":
+            row = row[:-1]
+        if tokenizer.chat_template is None:
+            fail("--dataset has chat `messages` but the policy's tokenizer has no chat template")
+        texts.append(tokenizer.apply_chat_template(row, tokenize=False, add_generation_prompt=True))
+        messages.append(row)
+    ids = [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)]
+    return texts, ids, messages
+
+
+def load_reward_fn(spec):
+    module_name, _, fn_name = spec.rpartition(":")
+    if not module_name or not fn_name:
+        fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
+    try:
+        if module_name.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        return getattr(module, fn_name)
+    except (ImportError, AttributeError, OSError) as e:
+        fail(f"--reward_fn {spec!r} cannot be loaded: {e}")
+
+
+def check_scores(scores, n, source):
+    """A reward function's output -> float32 tensor (n,), or a clear error."""
+    try:
+        scores = torch.tensor([float(s) for s in scores], dtype=torch.float32)
+    except (TypeError, ValueError):
+        fail(f"{source} must return a list of floats, got {type(scores).__name__}")
+    if len(scores) != n:
+        fail(f"{source} returned {len(scores)} scores for {n} completions")
+    bad = (~torch.isfinite(scores)).nonzero()
+    if len(bad):
+        fail(f"{source} returned a non-finite score ({scores[bad[0, 0]].item()}) for completion {bad[0, 0].item()}")
+    return scores
+
+
+def addition_reward(prompts, completions):
+    """The built-in task's reward for prompts `a + b =`: 1 for exactly the sum (then EOS), ½ for the sum followed by
+    more tokens, 0 otherwise. The half point is partial credit: a random policy stops right after the right number
+    about once in 600 tries, too rarely to learn from; it finds the right number 1 time in 24."""
+    scores = []
+    for prompt, completion in zip(prompts, completions):
+        a, _, b, _ = prompt.split()[-4:]
+        words, answer = completion.split(), str(int(a) + int(b))
+        scores.append(1.0 if words == [answer] else 0.5 if words[:1] == [answer] else 0.0)
+    return scores
+
+
+def build_addition_task(folder, seed):
+    """The built-in task: 100 prompts `a + b =` (a, b in 0..9) and a tiny randomly initialised Llama with a
+    word-level tokenizer, both written to `folder` and then loaded like any hub model. -> model folder, prompts file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<unk>", "+", "="] + [str(i) for i in range(19)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    config = LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=16, tie_word_embeddings=True,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(seed)
+    model_dir = os.path.join(folder, "model")
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    prompts_file = os.path.join(folder, "prompts.txt")
+    with open(prompts_file, "w") as f:
+        f.writelines(f"{a} + {b} =\n" for a in range(10) for b in range(10))
+    return model_dir, prompts_file
+
+
+def save_pretrained_atomic(objects, path):
+    """save_pretrained into path.tmp, then swap it in: a crash never leaves a half-written model at `path`."""
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for obj in objects:
+        obj.save_pretrained(tmp)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ training
+def main(args: Args):
+    # --- sizes (per device): rollout batch -> num_mini_batches minibatches -> gradient_accumulation_steps micro-batches
+    batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    if args.per_device_train_batch_size < 1 or args.gradient_accumulation_steps < 1 or args.num_mini_batches < 1:
+        fail("--per_device_train_batch_size, --gradient_accumulation_steps and --num_mini_batches must be >= 1")
+    if batch_size % args.num_mini_batches:
+        fail(f"rollout batch {batch_size} (--per_device_train_batch_size x --gradient_accumulation_steps) "
+             f"is not divisible by --num_mini_batches {args.num_mini_batches}")
+    mini_batch_size = batch_size // args.num_mini_batches
+    if mini_batch_size % args.gradient_accumulation_steps:
+        fail(f"minibatch {mini_batch_size} is not divisible by --gradient_accumulation_steps {args.gradient_accumulation_steps}")
+    micro_batch_size = mini_batch_size // args.gradient_accumulation_steps
+    num_updates = args.total_episodes // batch_size
+    if num_updates < 1:
+        fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
+    if args.response_length < 1:
+        fail(f"--response_length must be >= 1, got {args.response_length}")
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0, got {args.temperature}")
+    output_dir = args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"
+    metrics_path = os.path.join(output_dir, "metrics.jsonl")
+    if os.path.exists(metrics_path):
+        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); choose another --output_dir")
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    low_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    autocast = torch.autocast(device.type, dtype=low_dtype) if low_dtype else nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
+
+    # --- models and data
+    model_path, dataset = args.model_name_or_path, args.dataset
+    if "builtin" in (model_path, dataset):
+        builtin_model, builtin_prompts = build_addition_task(os.path.join(output_dir, "builtin_task"), args.seed)
+        model_path = builtin_model if model_path == "builtin" else model_path
+        dataset = builtin_prompts if dataset == "builtin" else dataset
+    tokenizer = ensure_pad_token(load_tokenizer(model_path, "model_name_or_path", args))
+    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
+        tokenizer.eos_token_id if args.stop_token == "eos" else None)
+    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args)
+    fit_tokenizer(policy, tokenizer)
+    ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args)
+                  if args.ref_model_path else copy.deepcopy(policy))
+    fit_tokenizer(ref_policy, tokenizer)
+    value_path = args.value_model_path or args.reward_model_path or model_path
+    value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args, num_labels=1)
+    if not hasattr(value_model, "score"):
+        fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head (e.g. *ForSequenceClassification of a causal LM)")
+    fit_tokenizer(value_model, tokenizer)
+    reward_model = reward_tokenizer = reward_fn = None
+    if args.reward_model_path:
+        reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, "reward_model_path", args)
+        if reward_model.config.num_labels != 1:
+            fail(f"--reward_model_path {args.reward_model_path!r} has {reward_model.config.num_labels} labels; a reward model has 1")
+        reward_tokenizer = load_tokenizer(args.reward_model_path, "reward_model_path", args)
+        if tokenizer.get_vocab().items() >= reward_tokenizer.get_vocab().items():
+            reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
+            fit_tokenizer(reward_model, tokenizer)
+        elif reward_tokenizer.pad_token is None:
+            reward_tokenizer.pad_token = reward_tokenizer.eos_token
+        reward_model.requires_grad_(False).eval().to(device, low_dtype)
+    elif args.reward_fn:
+        reward_fn = load_reward_fn(args.reward_fn)
+    else:
+        fail("no reward: give --reward_model_path or --reward_fn")
+    ref_policy.requires_grad_(False).eval().to(device, low_dtype)
+    policy.to(device)
+    value_model.to(device)
+
+    prompt_texts, prompt_ids, prompt_messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
+    if not prompt_texts:
+        fail(f"--dataset {dataset!r} holds no prompts")
+    if min(len(ids) for ids in prompt_ids) == 0:
+        fail(f"--dataset {dataset!r}: prompt {[len(i) for i in prompt_ids].index(0)} is empty after tokenization")
+    context = getattr(policy.config, "max_position_embeddings", None)
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    if context and len(prompt_ids[longest]) + args.response_length > context:
+        fail(f"--dataset: prompt {longest} has {len(prompt_ids[longest])} tokens, which with --response_length "
+             f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
+
+    params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-8, weight_decay=0.0)  # fp32 state
+    schedule = lambda u: 1.0 - u / num_updates if args.anneal_lr else 1.0  # noqa: E731
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    if args.track:
+        try:
+            import wandb
+        except ImportError:
+            fail("--track needs `pip install wandb`")
+        wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir), config=asdict(args))
+    os.makedirs(output_dir, exist_ok=True)
+    sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+    print(f"ppo_rlhf: {num_updates} updates of {batch_size} prompts ({args.num_mini_batches} minibatches of "
+          f"{mini_batch_size}, micro-batches of {micro_batch_size}), {len(prompt_texts)} prompts, device {device}, "
+          f"{args.dtype}, output {output_dir}", flush=True)
+
+    chunk = args.local_rollout_forward_batch_size
+    start_time, bad_updates = time.time(), 0
+    for update in range(num_updates):
+        update_start = time.perf_counter()
+        rows = prompt_indices(len(prompt_ids), batch_size, update, args.seed).tolist()
+        queries, query_mask = left_pad([prompt_ids[i] for i in rows], tokenizer.pad_token_id)
+        queries, query_mask = queries.to(device), query_mask.to(device)
+        B, P = queries.shape  # P = context_length: every response starts at column P
+        policy.eval(), value_model.eval()  # dropout is off anyway; eval() keeps the KV cache on under gradient checkpointing
+
+        # 1. rollout: sample responses with the current policy π_old, keeping log π_old of each sampled token
+        with torch.inference_mode(), autocast:
+            generated = [generate(policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
+                                  args.temperature, stop_token_id, tokenizer.pad_token_id) for i in range(0, B, chunk)]
+        R = max(r.shape[1] for r, _ in generated)
+        responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=tokenizer.pad_token_id) for r, _ in generated])
+        logprobs = torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated])
+        lengths = response_lengths(responses, stop_token_id)  # (B,) real tokens, stop token included
+        response_mask = torch.arange(R, device=device) < lengths[:, None]  # (B, R), True = real token
+        query_responses = torch.cat([queries, responses], 1)  # (B, P + R)
+        attention_mask = torch.cat([query_mask, response_mask], 1)
+        generate_time = time.perf_counter() - update_start
+
+        # 2. score: reference log-probs, values V(s_t), and the reward model's score of prompt + truncated response
+        completions = tokenizer.batch_decode([r[:n] for r, n in zip(responses.tolist(), lengths.tolist())], skip_special_tokens=True)
+        ref_logprobs = torch.zeros(B, R, device=device)
+        values = torch.zeros(B, R, device=device)
+        scores = torch.zeros(B, device=device)
+        with torch.inference_mode(), autocast:
+            for i in range(0, B, chunk):
+                rows_i = slice(i, i + chunk)
+                width = P + lengths[rows_i].max().item()  # trim the chunk to its longest real sequence
+                ids, mask = query_responses[rows_i, :width], attention_mask[rows_i, :width]
+                ref_logprobs[rows_i, : width - P] = response_logprobs(ref_policy, ids, mask, P, args.temperature)[0]
+                values[rows_i, : width - P] = state_values(value_model, ids, mask, P)
+                if low_dtype:  # recompute log π_old with the training forward: the first ratio is then exactly 1
+                    logprobs[rows_i, : width - P] = response_logprobs(policy, ids, mask, P, args.temperature)[0]
+                if reward_model is not None and reward_tokenizer is None:
+                    token_scores = forward(reward_model, ids, mask, width - P)  # (b, L): score after each token
+                    scores[rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
+        if reward_model is not None and reward_tokenizer is not None:  # re-tokenize the text for the reward model
+            texts = [reward_tokenizer.apply_chat_template(prompt_messages[r] + [{"role": "assistant", "content": c}], tokenize=False)
+                     if prompt_messages[r] is not None and reward_tokenizer.chat_template else prompt_texts[r] + c
+                     for r, c in zip(rows, completions)]
+            with autocast:
+                scores = torch.cat([score_texts(reward_model, reward_tokenizer, texts[i : i + chunk],
+                                                add_special_tokens=prompt_messages[rows[i]] is None) for i in range(0, B, chunk)])
+        elif reward_fn is not None:
+            scores = check_scores(reward_fn([prompt_texts[r] for r in rows], completions), B, f"--reward_fn {args.reward_fn}").to(device)
+        contains_eos = ((responses == tokenizer.eos_token_id) & response_mask).any(1)
+        raw_scores = scores.clone()
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * (~contains_eos).float()
+        score_time = time.perf_counter() - update_start - generate_time
+
+        # 3. KL and rewards: r_t = −β·KL_t per token, plus the score on the last real token
+        logprobs, ref_logprobs = logprobs.masked_fill(~response_mask, 0.0), ref_logprobs.masked_fill(~response_mask, 0.0)
+        kl = torch.where(response_mask, kl_penalty(logprobs, ref_logprobs, args.kl_estimator), 0.0)  # (B, R)
+        rewards = per_token_rewards(scores, kl, response_mask, args.kl_coef)
+        if args.whiten_rewards:
+            rewards = torch.where(response_mask, masked_whiten(rewards, response_mask, shift_mean=False), 0.0)
+
+        # 4. advantages: GAE, then whitened over the batch's real tokens
+        advantages, returns = gae(rewards, values, response_mask, args.gamma, args.lam)
+        advantages = torch.where(response_mask, masked_whiten(advantages, response_mask), 0.0)
+
+        # 5. PPO epochs: num_ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each
+        policy.train(), value_model.train()
+        stats, train_tokens, stop_reason = defaultdict(list), 0, None
+        for epoch in range(args.num_ppo_epochs):
+            for mb_rows in torch.randperm(B, device=device).split(mini_batch_size):
+                mb_approxkl = []
+                for micro_rows in mb_rows.split(micro_batch_size):
+                    L = lengths[micro_rows].max().item()  # pay only for real tokens
+                    mb_ids, mb_mask = query_responses[micro_rows, : P + L], attention_mask[micro_rows, : P + L]
+                    mb_response_mask = response_mask[micro_rows, :L]
+                    with autocast:
+                        new_logprobs, entropy = response_logprobs(policy, mb_ids, mb_mask, P, args.temperature)
+                        new_values = state_values(value_model, mb_ids, mb_mask, P)
+                    pg_loss, pg_clipfrac, approxkl = policy_loss(new_logprobs, logprobs[micro_rows, :L],
+                                                                 advantages[micro_rows, :L], mb_response_mask, args.cliprange)
+                    vf_loss, vf_clipfrac = value_loss(new_values.float(), values[micro_rows, :L], returns[micro_rows, :L],
+                                                      mb_response_mask, args.cliprange_value)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    if not torch.isfinite(loss):
+                        stop_reason = "non-finite loss"
+                        break
+                    scaler.scale(loss / args.gradient_accumulation_steps).backward()
+                    with torch.no_grad():
+                        ratio = (new_logprobs - logprobs[micro_rows, :L]).exp()
+                        outside = ((ratio - 1).abs() > args.cliprange).float()
+                        for key, value in {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
+                                           "policy/entropy_avg": masked_mean(entropy, mb_response_mask),
+                                           "policy/ratio_outside_clip_avg": masked_mean(outside, mb_response_mask),
+                                           "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
+                                           "val/ratio": masked_mean(ratio, mb_response_mask),
+                                           "val/ratio_var": masked_var(ratio, mb_response_mask)}.items():
+                            stats[key].append(value.detach().float())
+                    mb_approxkl.append(approxkl.detach())
+                    train_tokens += mb_mask.sum().item()
+                if stop_reason:
+                    break
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                if not torch.isfinite(grad_norm) and not scaler.is_enabled():  # GradScaler skips such steps by itself
+                    stop_reason = "non-finite gradient"
+                    break
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                stats["policy/grad_norm"].append(grad_norm.float())
+                if args.target_kl is not None and torch.stack(mb_approxkl).mean() > args.target_kl:
+                    stop_reason = "target_kl"
+                    break
+            if stop_reason:
+                break
+        optimizer.zero_grad(set_to_none=True)
+        lr = lr_scheduler.get_last_lr()[0]
+        lr_scheduler.step()
+        train_time = time.perf_counter() - update_start - generate_time - score_time
+        if stop_reason in ("non-finite loss", "non-finite gradient"):
+            bad_updates += 1
+            print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr, flush=True)
+            if bad_updates >= 3:
+                fail(f"{bad_updates} updates in a row had a non-finite loss or gradient; lower --learning_rate, "
+                     "check the reward scale, or use --dtype fp32")
+        else:
+            bad_updates = 0
+
+        # 6. log: TRL's metric names; per-sequence sums averaged over the batch, training stats over all micro-batches
+        real_tokens = response_mask.sum().item()
+        metrics = {
+            "update": update + 1,
+            "episode": (update + 1) * batch_size,
+            "eps": (update + 1) * batch_size / (time.time() - start_time),
+            "lr": lr,
+            "objective/kl": kl.sum(1).mean().item(),
+            "objective/entropy": (-logprobs).sum(1).mean().item(),
+            "objective/non_score_reward": (-args.kl_coef * kl).sum(1).mean().item(),
+            "objective/rlhf_reward": (scores - args.kl_coef * kl.sum(1)).mean().item(),
+            "objective/scores": scores.mean().item(),
+            "val/num_eos_tokens": contains_eos.sum().item(),
+            "val/explained_variance": explained_variance(values, returns, response_mask).item(),
+            "val/mean_response_length": lengths.float().mean().item(),
+            **{key: torch.stack(batch_values).mean().item() for key, batch_values in stats.items()},
+            "policy/epochs": epoch + (stop_reason is None),
+            "time/generate_s": generate_time,
+            "time/score_s": score_time,
+            "time/train_s": train_time,
+            "time/rollout_tokens_per_s": real_tokens / generate_time,
+            "time/train_tokens_per_s": train_tokens / max(train_time, 1e-9),
+        }
+        if stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
+            metrics["policy/first_ratio"] = stats["val/ratio"][0].item()
+            metrics["policy/first_approxkl"] = stats["policy/approxkl_avg"][0].item()
+        if reward_fn is not None and args.reward_fn == Args.reward_fn:  # the built-in task: exactly the sum, then EOS
+            metrics["objective/success_rate"] = (raw_scores == 1).float().mean().item()
+        with open(metrics_path, "a") as f:  # one whole line per update, written when the update is done
+            f.write(json.dumps(metrics) + "\n")
+        if args.track:
+            wandb.log(metrics, step=update + 1)
+        success = f"success {metrics['objective/success_rate']:4.0%}  " if "objective/success_rate" in metrics else ""
+        print(f"update {update + 1}/{num_updates}  {success}score {metrics['objective/scores']:.3f}  "
+              f"kl {metrics['objective/kl']:.3f}  approxkl {metrics.get('policy/approxkl_avg', float('nan')):.4f}  "
+              f"clipfrac {metrics.get('policy/clipfrac_avg', float('nan')):.3f}  "
+              f"vloss {metrics.get('loss/value_avg', float('nan')):.4f}  ev {metrics['val/explained_variance']:.2f}  "
+              f"len {metrics['val/mean_response_length']:.1f}  time gen/score/train "
+              f"{generate_time:.2f}/{score_time:.2f}/{train_time:.2f}s", flush=True)
+        if sample_every and (update % sample_every == 0 or update == num_updates - 1):
+            for r, c, s in list(zip(rows, completions, scores.tolist()))[:3]:
+                print(f"    {prompt_texts[r]!r} -> {c!r}  score {s:.2f}", flush=True)
+
+    save_pretrained_atomic([policy, tokenizer], os.path.join(output_dir, "policy"))
+    save_pretrained_atomic([value_model, tokenizer], os.path.join(output_dir, "value_model"))
+    print(f"saved policy and value model to {output_dir}", flush=True)
+    if args.track:
+        wandb.finish()
+    return metrics
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,592 @@
+"""Tests for ppo_rlhf.py: the math against naive float64 references and closed forms, model-level invariants on
+tiny GPT-2 and Llama models saved with save_pretrained and loaded back, and the whole loop end to end. CPU only,
+nothing downloaded. Run: pytest -q test_ppo_rlhf.py"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig,
+                          BertForSequenceClassification, GPT2Config, LlamaConfig, PreTrainedTokenizerFast)
+
+import ppo_rlhf as P
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ppo_rlhf.py")
+WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(37)]
+
+
+# ------------------------------------------------------------------------------------------ reward functions used by runs
+def count_w1(prompts, completions):
+    """Rewards completions for each `w1` they contain."""
+    return [float(c.split().count("w1")) for c in completions]
+
+
+def wrong_count(prompts, completions):
+    return [0.0] * (len(completions) - 1)
+
+
+def nan_score(prompts, completions):
+    return [float("nan")] + [0.0] * (len(completions) - 1)
+
+
+def huge_score(prompts, completions):
+    return [1e30 * (i % 2) for i in range(len(completions))]
+
+
+# ------------------------------------------------------------------------------------------ tiny models, built offline
+def word_tokenizer(words, pad="<pad>", **kwargs):
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, eos_token="<eos>", unk_token="<unk>", **kwargs)
+
+
+def config(arch, vocab_size, **kwargs):
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=vocab_size, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                          pad_token_id=0, eos_token_id=1, bos_token_id=1, **kwargs)
+    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=32, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       pad_token_id=0, eos_token_id=1, bos_token_id=1, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Folders of tiny models and prompt files: {gpt2, llama} policies, their reward models, a reward model with
+    a different tokenizer, an encoder reward model, and prompts (.jsonl, .txt)."""
+    root = tmp_path_factory.mktemp("tiny")
+    paths = {}
+    tokenizer = word_tokenizer(WORDS)
+    for i, arch in enumerate(["gpt2", "llama"]):
+        torch.manual_seed(i)
+        paths[arch] = str(root / arch)
+        AutoModelForCausalLM.from_config(config(arch, len(WORDS))).save_pretrained(paths[arch])
+        tokenizer.save_pretrained(paths[arch])
+        paths[f"{arch}_rm"] = str(root / f"{arch}_rm")
+        AutoModelForSequenceClassification.from_config(config(arch, len(WORDS), num_labels=1)).save_pretrained(paths[f"{arch}_rm"])
+        tokenizer.save_pretrained(paths[f"{arch}_rm"])
+    other_words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in reversed(range(37))] + ["extra"]
+    paths["other_rm"] = str(root / "other_rm")  # same words, other ids: the reward model must re-tokenize the text
+    AutoModelForSequenceClassification.from_config(config("llama", len(other_words), num_labels=1)).save_pretrained(paths["other_rm"])
+    word_tokenizer(other_words, padding_side="left").save_pretrained(paths["other_rm"])
+    paths["prompts"] = str(root / "prompts.jsonl")
+    gen = torch.Generator().manual_seed(0)
+    with open(paths["prompts"], "w") as f:
+        for _ in range(40):
+            n = int(torch.randint(2, 7, (1,), generator=gen))
+            f.write(json.dumps({"prompt": " ".join(WORDS[int(t)] for t in torch.randint(3, len(WORDS), (n,), generator=gen))}) + "\n")
+    paths["txt"] = str(root / "prompts.txt")
+    with open(paths["txt"], "w") as f:
+        f.write("w1 w2 w3\n\nw4 w5\nw6\n")
+    return paths
+
+
+def run_args(tiny, tmp_path, **overrides):
+    kwargs = dict(model_name_or_path=tiny["gpt2"], reward_model_path=tiny["gpt2_rm"], dataset=tiny["prompts"],
+                  output_dir=str(tmp_path / "run"), total_episodes=16, per_device_train_batch_size=8, num_mini_batches=2,
+                  num_ppo_epochs=2, response_length=6, learning_rate=1e-3, num_sample_generations=0)
+    kwargs.update(overrides)
+    return P.Args(**kwargs)
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------------------------ hygiene
+def test_import_has_no_side_effects(tmp_path):
+    code = "import sys, torch; import ppo_rlhf; print(torch.cuda.is_initialized(), 'ppo_rlhf' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, check=True).stdout
+    for field in P.Args.__dataclass_fields__:
+        assert f"--{field.replace('_', '-')}" in out, field
+
+
+# ------------------------------------------------------------------------------------------ math against naive references
+def random_mask(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(shape, generator=gen) < 0.7
+    mask[:, 0] = True
+    return mask
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_masked_stats_match_torch_on_the_real_entries(seed):
+    x = torch.randn(5, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    mask = random_mask((5, 9), seed)
+    real = x[mask]
+    assert torch.allclose(P.masked_mean(x, mask), real.mean())
+    assert torch.allclose(P.masked_mean(x, mask, dim=1), torch.stack([r[m].mean() for r, m in zip(x, mask)]))
+    assert torch.allclose(P.masked_var(x, mask), real.var(unbiased=True))
+    white = P.masked_whiten(x, mask)
+    assert torch.allclose(white[mask], (real - real.mean()) / (real.var() + 1e-8).sqrt())
+    assert torch.allclose(white[mask].mean(), torch.tensor(0.0, dtype=torch.float64), atol=1e-12)
+    scaled = P.masked_whiten(x, mask, shift_mean=False)
+    assert torch.allclose(scaled[mask], (real - real.mean()) / (real.var() + 1e-8).sqrt() + real.mean())
+    x_nan = x.masked_fill(~mask, float("nan"))  # what sits under the mask never leaks in
+    assert torch.allclose(P.masked_whiten(x_nan, mask)[mask], white[mask])
+
+
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.3)])
+def test_token_logprobs_match_cross_entropy_values_and_gradients(monkeypatch, dtype, temperature):
+    monkeypatch.setattr(P, "logprobs_chunk_rows", lambda vocab_size: 5)  # several chunks, the last one partial
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 7, 50, generator=gen)).to(dtype).requires_grad_()
+    tokens = torch.randint(0, 50, (3, 7), generator=gen)
+    weights = torch.randn(3, 7, generator=gen)
+    logprobs, entropy = P.token_logprobs(logits, tokens, temperature)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    (logprobs * weights).sum().backward()
+
+    ref_logits = logits.detach().double().requires_grad_()
+    z = ref_logits / temperature
+    ref = -F.cross_entropy(z.flatten(0, 1), tokens.flatten(), reduction="none").view(3, 7)
+    (ref * weights.double()).sum().backward()
+    p = z.softmax(-1)
+    assert torch.allclose(logprobs.double(), ref, atol=1e-5)
+    assert torch.allclose(entropy.double(), -(p * p.log()).sum(-1), atol=1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the gradient is returned in the logits' dtype
+    assert logits.grad.dtype == dtype
+    assert torch.allclose(logits.grad.double(), ref_logits.grad, atol=tol)
+
+
+def test_token_logprobs_keep_no_float32_copy_of_the_logits():
+    logits = torch.randn(4, 6, 1000, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        P.token_logprobs(logits, torch.randint(0, 1000, (4, 6)))[0].sum()
+    big = [t for t in saved if t.numel() >= logits.numel()]
+    assert big and all(t.dtype == torch.bfloat16 for t in big)  # only the input itself, no float32 (N, V) copy
+
+
+def test_first_true_index_and_response_lengths():
+    bools = torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    assert P.first_true_index(bools).tolist() == [1, 4, 0]
+    responses = torch.tensor([[5, 1, 7, 1], [5, 6, 7, 8], [1, 0, 0, 0]])
+    assert P.response_lengths(responses, stop_token_id=1).tolist() == [2, 4, 1]
+    assert P.response_lengths(responses, stop_token_id=None).tolist() == [4, 4, 4]
+
+
+def test_kl_estimators():
+    gen = torch.Generator().manual_seed(0)
+    logp, ref = torch.randn(1000, dtype=torch.float64, generator=gen), torch.randn(1000, dtype=torch.float64, generator=gen)
+    assert torch.allclose(P.kl_penalty(logp, ref, "k1"), logp - ref)
+    k3 = P.kl_penalty(logp, ref, "k3")
+    assert (k3 >= 0).all() and torch.allclose(k3, (ref - logp).exp() - 1 - (ref - logp))
+    assert P.kl_penalty(logp, logp, "k1").abs().max() == 0 and P.kl_penalty(logp, logp, "k3").abs().max() == 0
+    # both are unbiased: averaged over tokens sampled from p they give KL(p‖q) of the closed form
+    p_logits, q_logits = torch.randn(6, dtype=torch.float64, generator=gen), torch.randn(6, dtype=torch.float64, generator=gen)
+    log_p, log_q = p_logits.log_softmax(0), q_logits.log_softmax(0)
+    exact = (log_p.exp() * (log_p - log_q)).sum()
+    samples = torch.multinomial(log_p.exp(), 400_000, replacement=True, generator=gen)
+    for estimator in ("k1", "k3"):
+        estimate = P.kl_penalty(log_p[samples], log_q[samples], estimator).mean()
+        assert abs(estimate - exact) < 0.01, (estimator, estimate, exact)
+
+
+def test_per_token_rewards_put_the_score_on_the_last_real_token():
+    kl = torch.arange(1.0, 13.0).view(3, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    rewards = P.per_token_rewards(torch.tensor([10.0, 20.0, 30.0]), kl, mask, kl_coef=0.5)
+    expected = torch.tensor([[-0.5, -1.0 + 10, 0, 0], [-2.5, -3.0, -3.5, -4.0 + 20], [-4.5 + 30, 0, 0, 0]])
+    assert torch.allclose(rewards, expected)
+
+
+def gae_naive(rewards, values, mask, gamma, lam):
+    """Per sequence, over its real tokens only, in python floats."""
+    advantages = torch.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        n = int(mask[b].sum())
+        last = 0.0
+        for t in reversed(range(n)):
+            next_value = values[b, t + 1].item() if t + 1 < n else 0.0
+            delta = rewards[b, t].item() + gamma * next_value - values[b, t].item()
+            last = delta + gamma * lam * last
+            advantages[b, t] = last
+    return advantages
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (0.99, 1.0), (0.5, 0.0)])
+def test_gae_matches_a_per_sample_loop(gamma, lam):
+    gen = torch.Generator().manual_seed(1)
+    rewards, values = torch.randn(6, 8, dtype=torch.float64, generator=gen), torch.randn(6, 8, dtype=torch.float64, generator=gen)
+    lengths = torch.tensor([1, 3, 8, 5, 2, 7])
+    mask = torch.arange(8) < lengths[:, None]
+    advantages, returns = P.gae(rewards, values, mask, gamma, lam)
+    expected = gae_naive(rewards, values, mask, gamma, lam)
+    assert torch.allclose(advantages, expected)
+    assert torch.allclose(returns[mask], (expected + values)[mask])
+    assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()
+
+
+def test_gae_closed_forms():
+    gen = torch.Generator().manual_seed(2)
+    rewards, values = torch.randn(4, 6, dtype=torch.float64, generator=gen), torch.randn(4, 6, dtype=torch.float64, generator=gen)
+    mask = torch.arange(6) < torch.tensor([6, 4, 1, 5])[:, None]
+    rewards, values = rewards * mask, values * mask
+    # λ = 0: A_t = δ_t = r_t + γV_{t+1} − V_t (one-step TD error)
+    next_values = torch.cat([values[:, 1:], torch.zeros(4, 1, dtype=torch.float64)], 1) * mask
+    assert torch.allclose(P.gae(rewards, values, mask, 0.9, 0.0)[0], (rewards + 0.9 * next_values - values) * mask)
+    # γ = λ = 1 and V = 0: A_t = reward-to-go Σ_{k>=t} r_k
+    reward_to_go = rewards.flip(1).cumsum(1).flip(1)
+    assert torch.allclose(P.gae(rewards, torch.zeros_like(values), mask, 1.0, 1.0)[0], reward_to_go)
+    # λ = 1: A_t = discounted return − V_t, whatever V is
+    discounts = 0.8 ** torch.arange(6, dtype=torch.float64)
+    discounted = torch.stack([(rewards[:, t:] * discounts[: 6 - t]).sum(1) for t in range(6)], 1)
+    assert torch.allclose(P.gae(rewards, values, mask, 0.8, 1.0)[0], (discounted - values) * mask)
+
+
+def test_policy_loss_at_ratio_one():
+    gen = torch.Generator().manual_seed(3)
+    old = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+    advantages = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+    mask = random_mask((4, 5), 3)
+    new = old.clone().requires_grad_()
+    loss, clipfrac, approxkl = P.policy_loss(new, old, advantages, mask, 0.2)
+    loss.backward()
+    assert torch.allclose(loss, -advantages[mask].mean())
+    assert clipfrac == 0 and approxkl == 0
+    assert torch.allclose(new.grad, -advantages * mask / mask.sum())  # ∂ρ/∂log π = ρ = 1
+
+
+def test_policy_loss_in_the_clipped_regions():
+    eps = 0.2
+    log_ratio = torch.tensor([[0.5, -0.5, 0.5, -0.5, 0.1, -0.1]], dtype=torch.float64).log1p()  # ρ = 1.5, 0.5, ..., 0.9
+    advantages = torch.tensor([[1.0, -1.0, -1.0, 1.0, 2.0, -2.0]], dtype=torch.float64)
+    mask = torch.ones_like(advantages, dtype=torch.bool)
+    new = log_ratio.clone().requires_grad_()
+    loss, clipfrac, approxkl = P.policy_loss(new, torch.zeros_like(new), advantages, mask, eps)
+    loss.backward()
+    ratio = log_ratio.exp()
+    per_token = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - eps, 1 + eps))
+    assert torch.allclose(loss, per_token.mean())
+    # A > 0 with ρ > 1+ε, and A < 0 with ρ < 1−ε: clipped, no gradient. The pessimistic other two keep ρ·A.
+    assert new.grad[0, :2].abs().max() == 0
+    assert torch.allclose(new.grad[0, 2:], (-advantages * ratio)[0, 2:] / 6)
+    assert torch.isclose(clipfrac, torch.tensor(2 / 6, dtype=torch.float64))
+    assert torch.allclose(approxkl, ((ratio - 1) - log_ratio).mean()) and approxkl > 0
+
+
+def test_value_loss_values_and_gradients():
+    old = torch.tensor([[0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    returns = torch.tensor([[1.0, -1.0, 0.5, 1.0]], dtype=torch.float64)
+    mask = torch.ones_like(old, dtype=torch.bool)
+    at_old = old.clone().requires_grad_()
+    loss, clipfrac = P.value_loss(at_old, old, returns, mask, 0.2)
+    loss.backward()
+    assert torch.allclose(loss, 0.5 * ((old - returns) ** 2).mean()) and clipfrac == 0
+    assert torch.allclose(at_old.grad, (old - returns) / 4)
+    # moved past the clip, towards the return: the clipped (larger) loss wins and stops the gradient
+    moved = torch.tensor([[0.9, -0.9, 0.1, 1.0]], dtype=torch.float64, requires_grad=True)
+    loss, clipfrac = P.value_loss(moved, old, returns, mask, 0.2)
+    loss.backward()
+    clipped = torch.tensor([[0.2, -0.2, 0.1, 1.0]], dtype=torch.float64)
+    assert torch.allclose(loss, 0.5 * torch.max((moved - returns) ** 2, (clipped - returns) ** 2).mean())
+    assert moved.grad[0, :2].abs().max() == 0 and moved.grad[0, 2] != 0
+    assert torch.isclose(clipfrac, torch.tensor(0.5, dtype=torch.float64))
+
+
+def test_explained_variance():
+    target = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    mask = random_mask((3, 5), 4)
+    assert torch.isclose(P.explained_variance(target, target, mask), torch.tensor(1.0, dtype=torch.float64))
+    constant = torch.full_like(target, target[mask].mean().item())
+    assert torch.isclose(P.explained_variance(constant, target, mask), torch.tensor(0.0, dtype=torch.float64))
+
+
+def test_prompt_stream_is_reshuffled_passes_without_repeats():
+    n, batch = 10, 4
+    stream = torch.cat([P.prompt_indices(n, batch, u, seed=7) for u in range(5)])  # 20 = two passes
+    for p in range(2):
+        assert sorted(stream[p * n : (p + 1) * n].tolist()) == list(range(n))
+    assert stream[:n].tolist() != stream[n:].tolist()
+    assert P.prompt_indices(n, batch, 3, seed=7).tolist() == stream[12:16].tolist()
+    big = P.prompt_indices(3, 7, 0, seed=0).tolist()  # a batch larger than the data: whole passes, then some
+    assert sorted(big[:3]) == sorted(big[3:6]) == [0, 1, 2] and len(big) == 7
+
+
+def test_left_pad():
+    ids, mask = P.left_pad([[5, 6], [7], [8, 9, 10]], pad_token_id=0)
+    assert ids.tolist() == [[0, 5, 6], [0, 0, 7], [8, 9, 10]]
+    assert mask.tolist() == [[False, True, True], [False, False, True], [True, True, True]]
+
+
+def test_everything_after_the_stop_token_is_masked_out():
+    """Whatever sits after the last real token changes no reward, advantage, return or loss."""
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.arange(6) < torch.tensor([2, 6, 4])[:, None]
+
+    def losses(junk):
+        fill = lambda x: torch.where(mask, x, junk)  # noqa: E731
+        g = torch.Generator().manual_seed(6)
+        logp, ref, values, new_logp, new_values = (fill(torch.randn(3, 6, generator=g)) for _ in range(5))
+        kl = torch.where(mask, P.kl_penalty(logp, ref, "k3"), 0.0)
+        rewards = P.per_token_rewards(torch.tensor([1.0, -1.0, 0.5]), kl, mask, 0.1)
+        advantages, returns = P.gae(rewards, values, mask, 1.0, 0.95)
+        advantages = torch.where(mask, P.masked_whiten(advantages, mask), 0.0)
+        pg = P.policy_loss(new_logp, logp, advantages, mask, 0.2)
+        vf = P.value_loss(new_values, values, returns, mask, 0.2)
+        return torch.stack([*pg, *vf]), rewards, advantages, returns
+
+    clean, dirty = losses(torch.tensor(0.0)), losses(torch.randn(3, 6, generator=gen) * 100)
+    for a, b in zip(clean, dirty):
+        assert torch.allclose(a, b) and torch.isfinite(b).all()
+
+
+# ------------------------------------------------------------------------------------------ tiny models
+def loaded(tiny, arch, cls=AutoModelForCausalLM, key=None):
+    return P.load_pretrained(cls, tiny[key or arch], "model_name_or_path", P.Args())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_captured_logprobs_equal_a_teacher_forced_recomputation(tiny, arch):
+    policy = loaded(tiny, arch)
+    queries, query_mask = P.left_pad([[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]], pad_token_id=0)
+    torch.manual_seed(0)
+    responses, logprobs = P.generate(policy, queries, query_mask, 10, 0.7, stop_token_id=None, pad_token_id=0)
+    assert responses.shape == (4, 10)
+    query_responses = torch.cat([queries, responses], 1)
+    attention_mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
+    recomputed, _ = P.response_logprobs(policy, query_responses, attention_mask, queries.shape[1], 0.7)
+    assert torch.allclose(recomputed, logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_extra_left_padding_changes_no_logprob_or_value(tiny, arch):
+    policy, value_model = loaded(tiny, arch), loaded(tiny, arch, AutoModelForSequenceClassification, f"{arch}_rm")
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    ids, mask = P.left_pad([p + [20, 21, 22, 23] for p in prompts], pad_token_id=0)
+    more_ids = torch.cat([torch.zeros(3, 4, dtype=torch.long), ids], 1)
+    more_mask = torch.cat([torch.zeros(3, 4, dtype=torch.bool), mask], 1)
+    with torch.no_grad():
+        a = P.response_logprobs(policy, ids, mask, ids.shape[1] - 4, 1.0)[0]
+        b = P.response_logprobs(policy, more_ids, more_mask, more_ids.shape[1] - 4, 1.0)[0]
+        assert torch.allclose(a, b, atol=1e-5)
+        v_a = P.state_values(value_model, ids, mask, ids.shape[1] - 4)
+        v_b = P.state_values(value_model, more_ids, more_mask, more_ids.shape[1] - 4)
+        assert torch.allclose(v_a, v_b, atol=1e-5)
+        if arch == "gpt2":  # the test has teeth: without position_ids the log-probs do move
+            no_pos = policy(input_ids=more_ids[:, :-1], attention_mask=more_mask[:, :-1]).logits[:, -4:]
+            assert (P.token_logprobs(no_pos, more_ids[:, -4:])[0] - a).abs().max() > 1e-3
+
+
+def test_generation_stops_at_the_stop_token(tiny):
+    policy = loaded(tiny, "llama")
+    queries, query_mask = P.left_pad([[5, 6], [7, 8, 9]] * 8, pad_token_id=0)
+    torch.manual_seed(1)
+    free, free_logprobs = P.generate(policy, queries, query_mask, 12, 1.0, stop_token_id=None, pad_token_id=0)
+    stop = int(free[:, 1:-1].flatten().mode().values)  # a token sampled often: some rows stop early, some do not
+    torch.manual_seed(1)  # the same draws, so up to its stop token every row is the free sample
+    responses, logprobs = P.generate(policy, queries, query_mask, 12, 1.0, stop_token_id=stop, pad_token_id=0)
+    lengths = P.response_lengths(responses, stop)
+    assert (lengths < 12).any() and (lengths == (free == stop).int().argmax(1) + 1).where((free == stop).any(1), 12).all()
+    for row, n, lp, free_row, free_lp in zip(responses, lengths, logprobs, free, free_logprobs):
+        assert (row[n:] == 0).all() and (lp[n:] == 0).all() and (row[: n - 1] != stop).all()
+        assert torch.equal(row[:n], free_row[:n]) and torch.allclose(lp[:n], free_lp[:n])
+
+
+def test_a_pad_token_equal_to_eos_is_replaced():
+    tokenizer = word_tokenizer(WORDS, pad="<eos>")
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    P.ensure_pad_token(tokenizer)
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id and tokenizer.eos_token_id == 1
+    model = AutoModelForCausalLM.from_config(config("gpt2", len(WORDS)))
+    P.fit_tokenizer(model, tokenizer)
+    assert model.get_input_embeddings().num_embeddings == len(tokenizer) and model.config.pad_token_id == tokenizer.pad_token_id
+
+
+@pytest.mark.parametrize("arch,dropout", [("gpt2", dict(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)),
+                                          ("llama", dict(attention_dropout=0.5))])
+def test_dropout_is_off_even_in_train_mode(tmp_path, arch, dropout):
+    path = str(tmp_path / "dropout")
+    AutoModelForCausalLM.from_config(config(arch, len(WORDS), **dropout)).save_pretrained(path)
+    model = P.load_pretrained(AutoModelForCausalLM, path, "model_name_or_path", P.Args()).train()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(model(ids).logits, model(ids).logits)
+
+
+def test_sampling_follows_softmax_of_logits_over_temperature(tiny):
+    policy = loaded(tiny, "gpt2")
+    queries, query_mask = P.left_pad([[5, 6, 7]] * 20000, pad_token_id=0)
+    with torch.no_grad():  # sharpen the tiny model's nearly flat distribution, so that a wrong T shows
+        policy.lm_head.weight.mul_(8)
+        expected = (policy(queries[:1]).logits[0, -1] / 0.5).softmax(-1)
+    torch.manual_seed(0)
+    responses, logprobs = P.generate(policy, queries, query_mask, 1, 0.5, stop_token_id=None, pad_token_id=0)
+    frequencies = torch.bincount(responses[:, 0], minlength=len(expected)).float() / len(responses)
+    assert (frequencies - expected).abs().max() < 0.015, (frequencies - expected).abs().max()
+    assert torch.allclose(logprobs[:, 0], expected.log()[responses[:, 0]], atol=1e-5)
+
+
+def test_reward_model_with_another_tokenizer_scores_like_unpadded_single_texts(tiny, tmp_path):
+    texts = ["w1 w2 w3", "w4", "w5 w6 w7 w8 w9"]
+    for key in ("other_rm", "bert"):
+        if key == "bert":
+            words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + [f"w{i}" for i in range(37)]
+            backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+            backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+            tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
+            model = BertForSequenceClassification(BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
+                                                             num_attention_heads=2, intermediate_size=64, num_labels=1)).eval()
+        else:
+            tokenizer, model = AutoTokenizer.from_pretrained(tiny[key]), loaded(tiny, key, AutoModelForSequenceClassification)
+        batched = P.score_texts(model, tokenizer, texts, add_special_tokens=True)
+        single = torch.cat([P.score_texts(model, tokenizer, [t], add_special_tokens=True) for t in texts])
+        assert batched.shape == (3,) and torch.allclose(batched, single, atol=1e-5), key
+
+
+def test_chat_messages_use_the_chat_template(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+    rows = ["w1 w2", [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}]]
+    texts, ids, messages = P.render_prompts(rows, tokenizer)
+    assert texts == ["w1 w2", "w3 w9"] and messages[0] is None and messages[1] == rows[1][:1]
+    assert ids[1] == tokenizer("w3 w9", add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def check_run(output_dir, initial_path, metrics):
+    assert metrics and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
+    first = metrics[0]
+    assert abs(first["policy/first_ratio"] - 1) < 1e-5 and abs(first["policy/first_approxkl"]) < 1e-6
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy"))
+    initial = AutoModelForCausalLM.from_pretrained(initial_path)
+    changed = [not torch.equal(a, b) for a, b in zip(policy.state_dict().values(), initial.state_dict().values())]
+    assert sum(changed) > len(changed) // 2
+    AutoTokenizer.from_pretrained(os.path.join(output_dir, "policy"))
+    value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(output_dir, "value_model"))
+    assert value_model.config.num_labels == 1
+
+
+def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path):
+    args = run_args(tiny, tmp_path, total_episodes=32, stop_token=None)
+    P.main(args)
+    metrics = read_metrics(args.output_dir)
+    assert len(metrics) == 4 and metrics[-1]["episode"] == 32
+    assert all(m["val/mean_response_length"] == 6 for m in metrics)
+    check_run(args.output_dir, tiny["gpt2"], metrics)
+
+
+def test_end_to_end_cli_with_a_reward_function(tiny, tmp_path):
+    out = str(tmp_path / "cli")
+    cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["llama"], "--reward_fn", f"{__file__}:count_w1",
+           "--dataset", tiny["txt"], "--output_dir", out, "--total_episodes", "24", "--per_device_train_batch_size", "4",
+           "--gradient_accumulation_steps", "2", "--num_mini_batches", "2", "--response_length", "5",
+           "--stop_token_id", "4", "--kl_estimator", "k3", "--whiten_rewards", "--target_kl", "10", "--num_sample_generations", "1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    metrics = read_metrics(out)
+    assert len(metrics) == 3 and "'w" in result.stdout  # sample completions were printed
+    check_run(out, tiny["llama"], metrics)
+
+
+def test_reward_model_with_another_tokenizer_end_to_end(tiny, tmp_path):
+    args = run_args(tiny, tmp_path, model_name_or_path=tiny["llama"], reward_model_path=tiny["other_rm"],
+                    value_model_path=tiny["llama_rm"], local_rollout_forward_batch_size=3)
+    P.main(args)
+    check_run(args.output_dir, tiny["llama"], read_metrics(args.output_dir))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_end_to_end_mixed_precision(tiny, tmp_path, dtype):
+    args = run_args(tiny, tmp_path, dtype=dtype, missing_eos_penalty=1.0)
+    P.main(args)
+    metrics = read_metrics(args.output_dir)
+    check_run(args.output_dir, tiny["gpt2"], metrics)
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy"))
+    assert next(policy.parameters()).dtype == torch.float32  # fp32 master weights
+
+
+def test_builtin_task_learns(tmp_path):
+    args = P.Args(output_dir=str(tmp_path / "builtin"), total_episodes=128 * 120, num_sample_generations=0)
+    P.main(args)
+    success = [m["objective/success_rate"] for m in read_metrics(args.output_dir)]
+    first, last = sum(success[:10]) / 10, sum(success[-10:]) / 10
+    assert first < 0.1 and last > first + 0.3, (first, last)
+
+
+def test_tracking_sends_the_metrics_to_wandb(tiny, tmp_path, monkeypatch):
+    calls = []
+    fake = type(sys)("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw))
+    fake.log = lambda metrics, step: calls.append(("log", step, metrics))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = run_args(tiny, tmp_path, track=True)
+    P.main(args)
+    logged = [c for c in calls if c[0] == "log"]
+    assert calls[0][0] == "init" and calls[-1] == ("finish",) and [c[1] for c in logged] == [1, 2]
+    assert logged[-1][2] == read_metrics(args.output_dir)[-1]
+
+
+# ------------------------------------------------------------------------------------------ bad input
+BAD_INPUTS = {
+    "missing model": (dict(model_name_or_path="/no/such/model"), "--model_name_or_path"),
+    "empty prompts": (dict(dataset="EMPTY"), "--dataset"),
+    "unreadable prompts": (dict(dataset="/no/such/prompts.txt"), "--dataset"),
+    "minibatches": (dict(per_device_train_batch_size=6, num_mini_batches=4), "--num_mini_batches"),
+    "accumulation": (dict(per_device_train_batch_size=6, gradient_accumulation_steps=2, num_mini_batches=4), "--gradient_accumulation_steps"),
+    "response length": (dict(response_length=0), "--response_length"),
+    "wrong count": (dict(reward_model_path=None, reward_fn=f"{__file__}:wrong_count"), "--reward_fn"),
+    "nan score": (dict(reward_model_path=None, reward_fn=f"{__file__}:nan_score"), "--reward_fn"),
+    "prompt too long": (dict(response_length=30), "--response_length"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_a_one_line_error_and_writes_nothing(tiny, tmp_path, case):
+    overrides, flag = BAD_INPUTS[case]
+    if overrides.get("dataset") == "EMPTY":
+        (tmp_path / "empty.txt").write_text("\n  \n")
+        overrides = dict(dataset=str(tmp_path / "empty.txt"))
+    args = run_args(tiny, tmp_path, **overrides)
+    with pytest.raises(SystemExit) as exc:
+        P.main(args)
+    message = str(exc.value)
+    assert message.startswith("error: ") and flag in message and "\n" not in message, message
+    assert not os.path.exists(os.path.join(args.output_dir, "metrics.jsonl"))
+    assert not os.path.exists(os.path.join(args.output_dir, "policy"))
+
+
+def test_bad_input_on_the_command_line_has_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", "/no/such/model", "--dataset", "/x.txt",
+                             "--output_dir", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --model_name_or_path")
+
+
+def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
+    args = run_args(tiny, tmp_path, total_episodes=8, per_device_train_batch_size=8)
+    P.main(args)
+    before = open(os.path.join(args.output_dir, "metrics.jsonl")).read()
+    with pytest.raises(SystemExit, match="--output_dir"):
+        P.main(args)
+    assert open(os.path.join(args.output_dir, "metrics.jsonl")).read() == before
+
+
+def test_non_finite_losses_skip_updates_then_abort(tiny, tmp_path, capsys):
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:huge_score", total_episodes=64)
+    with pytest.raises(SystemExit, match="non-finite") as exc:
+        P.main(args)
+    assert "\n" not in str(exc.value)
+    assert capsys.readouterr().err.count("warning: update") == 3
+    assert len(read_metrics(args.output_dir)) == 2  # the two skipped updates before the abort were still logged
+
+
+def test_hub_dataset_without_the_datasets_package(tiny, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(SystemExit, match="pip install datasets"):
+        P.main(run_args(tiny, tmp_path, dataset="someone/prompts"))
