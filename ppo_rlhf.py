@@ -26,6 +26,7 @@ import inspect
 import json
 import os
 import random
+import resource
 import shutil
 import sys
 import time
@@ -130,10 +131,12 @@ class Args:
     # --- system
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """bf16/fp16: autocast forwards and backwards, fp32 master weights and optimizer; frozen models in that dtype"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's and value model's activations in the backward pass: less memory, ~1/3 more compute"""
 
 
 def fail(message):
-    """Bad input ends the run with one line naming the flag to fix, before anything is written."""
+    """Bad input ends the run with one line naming the flag to fix (no traceback); nothing written is touched."""
     raise SystemExit(f"error: {message}")
 
 
@@ -334,7 +337,8 @@ def forward(model, input_ids, attention_mask, keep):
     """One forward over a padded batch (B, S) -> the last `keep` positions: logits (B, keep, V) of a causal LM, or
     the per-token scalar (B, keep) of a sequence classifier's `score` head (value and reward models).
     position_ids count real tokens only, so left padding changes nothing (GPT-2 is off by ~0.5 nats without)."""
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
     if hasattr(model, "score"):
         hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state[:, -keep:]
         return model.score(hidden).squeeze(-1).float()
@@ -595,6 +599,9 @@ def main(args: Args):
     ref_policy.requires_grad_(False).eval().to(device, low_dtype)
     policy.to(device)
     value_model.to(device)
+    if args.gradient_checkpointing:
+        for model in (policy, value_model):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     prompt_texts, prompt_ids, prompt_messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
     if not prompt_texts:
@@ -608,7 +615,9 @@ def main(args: Args):
              f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
 
     params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-8, weight_decay=0.0)  # fp32 state
+    # fp32 state; the fused kernel is ~6x faster than the default on CPU (0.06 vs 0.40 s per step for 52M parameters)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-8, weight_decay=0.0,
+                                  fused=device.type in ("cpu", "cuda"))
     schedule = lambda u: 1.0 - u / num_updates if args.anneal_lr else 1.0  # noqa: E731
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     if args.track:
@@ -753,7 +762,9 @@ def main(args: Args):
             bad_updates = 0
 
         # 6. log: TRL's metric names; per-sequence sums averaged over the batch, training stats over all micro-batches
-        real_tokens = response_mask.sum().item()
+        update_time = time.perf_counter() - update_start
+        peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
+                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # Linux: KiB
         metrics = {
             "update": update + 1,
             "episode": (update + 1) * batch_size,
@@ -769,11 +780,14 @@ def main(args: Args):
             "val/mean_response_length": lengths.float().mean().item(),
             **{key: torch.stack(batch_values).mean().item() for key, batch_values in stats.items()},
             "policy/epochs": epoch + (stop_reason is None),
+            "time/update_s": update_time,
             "time/generate_s": generate_time,
             "time/score_s": score_time,
             "time/train_s": train_time,
-            "time/rollout_tokens_per_s": real_tokens / generate_time,
+            "time/rollout_tokens_per_s": response_mask.sum().item() / generate_time,
+            "time/score_tokens_per_s": attention_mask.sum().item() / score_time,
             "time/train_tokens_per_s": train_tokens / max(train_time, 1e-9),
+            "memory/peak_mib": peak_memory,
         }
         if stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
             metrics["policy/first_ratio"] = stats["val/ratio"][0].item()
@@ -789,8 +803,8 @@ def main(args: Args):
               f"kl {metrics['objective/kl']:.3f}  approxkl {metrics.get('policy/approxkl_avg', float('nan')):.4f}  "
               f"clipfrac {metrics.get('policy/clipfrac_avg', float('nan')):.3f}  "
               f"vloss {metrics.get('loss/value_avg', float('nan')):.4f}  ev {metrics['val/explained_variance']:.2f}  "
-              f"len {metrics['val/mean_response_length']:.1f}  time gen/score/train "
-              f"{generate_time:.2f}/{score_time:.2f}/{train_time:.2f}s", flush=True)
+              f"len {metrics['val/mean_response_length']:.1f}  | {update_time:.2f}s: generate {generate_time:.2f}  "
+              f"score {score_time:.2f}  train {train_time:.2f}  | {peak_memory:.0f} MiB", flush=True)
         if sample_every and (update % sample_every == 0 or update == num_updates - 1):
             for r, c, s in list(zip(rows, completions, scores.tolist()))[:3]:
                 print(f"    {prompt_texts[r]!r} -> {c!r}  score {s:.2f}", flush=True)

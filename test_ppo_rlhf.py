@@ -500,9 +500,9 @@ def test_reward_model_with_another_tokenizer_end_to_end(tiny, tmp_path):
     check_run(args.output_dir, tiny["llama"], read_metrics(args.output_dir))
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_end_to_end_mixed_precision(tiny, tmp_path, dtype):
-    args = run_args(tiny, tmp_path, dtype=dtype, missing_eos_penalty=1.0)
+@pytest.mark.parametrize("dtype,gradient_checkpointing", [("bf16", False), ("fp16", False), ("fp32", True)])
+def test_end_to_end_mixed_precision_and_checkpointing(tiny, tmp_path, dtype, gradient_checkpointing):
+    args = run_args(tiny, tmp_path, dtype=dtype, gradient_checkpointing=gradient_checkpointing, missing_eos_penalty=1.0)
     P.main(args)
     metrics = read_metrics(args.output_dir)
     check_run(args.output_dir, tiny["gpt2"], metrics)
