@@ -615,7 +615,7 @@ def main(args: Args):
              f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
 
     params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
-    # fp32 state; the fused kernel is ~6x faster than the default on CPU (0.06 vs 0.40 s per step for 52M parameters)
+    # fp32 state; fused: 0.06 vs 0.40 s per step for 52M parameters on a 2-core CPU, timed alone
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-8, weight_decay=0.0,
                                   fused=device.type in ("cpu", "cuda"))
     schedule = lambda u: 1.0 - u / num_updates if args.anneal_lr else 1.0  # noqa: E731
