@@ -64,7 +64,7 @@ class Args:
     ref_model_path: Optional[str] = None
     """reference policy π_ref for the KL penalty; default: a frozen copy of the initial policy"""
     value_model_path: Optional[str] = None
-    """value model init; default: the reward model if given, else the policy checkpoint with a fresh scalar head"""
+    """value model init; default: the reward model if it shares the policy's vocabulary, else the policy (new head)"""
     reward_model_path: Optional[str] = None
     """reward model (sequence classifier, 1 label); if given it is used instead of --reward_fn"""
     reward_fn: Optional[str] = "ppo_rlhf:addition_reward"
@@ -575,16 +575,12 @@ def main(args: Args):
     ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args)
                   if args.ref_model_path else copy.deepcopy(policy))
     fit_tokenizer(ref_policy, tokenizer)
-    value_path = args.value_model_path or args.reward_model_path or model_path
-    value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args, num_labels=1)
-    if not hasattr(value_model, "score"):
-        fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head (e.g. *ForSequenceClassification of a causal LM)")
-    fit_tokenizer(value_model, tokenizer)
     reward_model = reward_tokenizer = reward_fn = None
     if args.reward_model_path:
         reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, "reward_model_path", args)
         if reward_model.config.num_labels != 1:
-            fail(f"--reward_model_path {args.reward_model_path!r} has {reward_model.config.num_labels} labels; a reward model has 1")
+            fail(f"--reward_model_path {args.reward_model_path!r} has {reward_model.config.num_labels} labels; "
+                 "a reward model has 1")
         reward_tokenizer = load_tokenizer(args.reward_model_path, "reward_model_path", args)
         if tokenizer.get_vocab().items() >= reward_tokenizer.get_vocab().items():
             reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
@@ -596,6 +592,14 @@ def main(args: Args):
         reward_fn = load_reward_fn(args.reward_fn)
     else:
         fail("no reward: give --reward_model_path or --reward_fn")
+    # the value model reads the policy's token ids: start from the reward model only if it shares the vocabulary
+    value_path = args.value_model_path or (args.reward_model_path if reward_model is not None and reward_tokenizer is None
+                                           else model_path)
+    value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args, num_labels=1)
+    if not hasattr(value_model, "score"):
+        fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
+             "(a *ForSequenceClassification of a causal LM)")
+    fit_tokenizer(value_model, tokenizer)
     ref_policy.requires_grad_(False).eval().to(device, low_dtype)
     policy.to(device)
     value_model.to(device)

@@ -495,9 +495,12 @@ def test_end_to_end_cli_with_a_reward_function(tiny, tmp_path):
 
 def test_reward_model_with_another_tokenizer_end_to_end(tiny, tmp_path):
     args = run_args(tiny, tmp_path, model_name_or_path=tiny["llama"], reward_model_path=tiny["other_rm"],
-                    value_model_path=tiny["llama_rm"], local_rollout_forward_batch_size=3)
+                    local_rollout_forward_batch_size=3)
     P.main(args)
     check_run(args.output_dir, tiny["llama"], read_metrics(args.output_dir))
+    # the value model reads the policy's token ids, so it starts from the policy, not from this reward model
+    value_config = AutoModelForSequenceClassification.from_pretrained(os.path.join(args.output_dir, "value_model")).config
+    assert value_config.vocab_size == len(WORDS)
 
 
 @pytest.mark.parametrize("dtype,gradient_checkpointing", [("bf16", False), ("fp16", False), ("fp32", True)])
