@@ -38,6 +38,7 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 import tyro
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers import DynamicCache
 
@@ -556,6 +557,7 @@ def main(args: Args):
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
+    transformers.utils.logging.disable_progress_bar()  # loading bars would bury the per-update lines
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     low_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     autocast = torch.autocast(device.type, dtype=low_dtype) if low_dtype else nullcontext()
