@@ -25,9 +25,11 @@ import importlib.util
 import inspect
 import json
 import os
+import pickle
 import random
 import resource
 import shutil
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 import tyro
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from safetensors import SafetensorError
 from transformers import DynamicCache
 
 
@@ -58,6 +61,12 @@ class Args:
     """wandb project, with --track"""
     num_sample_generations: int = 10
     """print a few completions with their scores this many times during training (0: never)"""
+    save_every: int = 0
+    """write a resumable checkpoint into output_dir every this many updates (0: only when stopped by a signal)"""
+    save_total_limit: int = 2
+    """keep this many newest checkpoints"""
+    resume: Optional[str] = None
+    """`auto`: continue from the newest complete checkpoint in output_dir (or start if there is none); or a checkpoint"""
 
     # --- models and data
     model_name_or_path: str = "builtin"
@@ -530,6 +539,68 @@ def save_pretrained_atomic(objects, path):
     shutil.rmtree(old, ignore_errors=True)
 
 
+RUN_ONLY_FIELDS = {"output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
+                   "save_total_limit", "resume"}  # fields a resumed run may change
+
+
+def save_checkpoint(output_dir, update, models, optimizer, lr_scheduler, scaler, args):
+    """Everything the run needs to go on exactly: weights (safetensors), optimizer, schedule, GradScaler, every RNG,
+    the update counter (the prompt stream's position follows from it) and the config. Written to a .tmp folder,
+    flushed, then renamed: a checkpoint-N folder is always complete. Keeps the newest save_total_limit."""
+    from safetensors.torch import save_model
+
+    path = os.path.join(output_dir, f"checkpoint-{update:06d}")
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name, model in models.items():
+        save_model(model, os.path.join(tmp, f"{name}.safetensors"))
+    state = dict(update=update, optimizer=optimizer.state_dict(), lr_scheduler=lr_scheduler.state_dict(),
+                 scaler=scaler.state_dict(), rng_torch=torch.get_rng_state(), rng_python=random.getstate(),
+                 rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                 config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS})
+    torch.save(state, os.path.join(tmp, "state.pt"))
+    for name in os.listdir(tmp):
+        with open(os.path.join(tmp, name), "rb") as f:
+            os.fsync(f.fileno())
+    shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same update, skipped on resume
+    os.replace(tmp, path)
+    for old in sorted(d for d in os.listdir(output_dir) if d.startswith("checkpoint-") and not d.endswith(".tmp"))[:-args.save_total_limit]:
+        shutil.rmtree(os.path.join(output_dir, old))
+    return path
+
+
+def load_checkpoint(path, models, optimizer, lr_scheduler, scaler, args):
+    """Restore what save_checkpoint wrote (weights_only loading: nothing in a checkpoint can run code)."""
+    from safetensors.torch import load_model
+
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+    changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS and state["config"].get(k) != v]
+    if changed:
+        fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
+    for name, model in models.items():
+        load_model(model, os.path.join(path, f"{name}.safetensors"))
+    optimizer.load_state_dict(state["optimizer"])
+    lr_scheduler.load_state_dict(state["lr_scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng_torch"])
+    random.setstate(state["rng_python"])
+    if state["rng_cuda"]:
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    return state["update"]
+
+
+STOP_SIGNALS = []  # set by request_stop; main() checks it after every update
+
+
+def request_stop(signum, frame):
+    """SIGINT/SIGTERM: finish the current update, save a checkpoint, exit 0. A second signal exits at once."""
+    if STOP_SIGNALS:
+        os._exit(128 + signum)
+    STOP_SIGNALS.append(signum)
+    print(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr, flush=True)
+
+
 # ------------------------------------------------------------------------------------------ training
 def main(args: Args):
     # --- sizes (per device): rollout batch -> num_mini_batches minibatches -> gradient_accumulation_steps micro-batches
@@ -552,8 +623,8 @@ def main(args: Args):
         fail(f"--temperature must be > 0, got {args.temperature}")
     output_dir = args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); choose another --output_dir")
+    if os.path.exists(metrics_path) and not args.resume:
+        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto or choose another --output_dir")
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -638,9 +709,32 @@ def main(args: Args):
           f"{mini_batch_size}, micro-batches of {micro_batch_size}), {len(prompt_texts)} prompts, device {device}, "
           f"{args.dtype}, output {output_dir}", flush=True)
 
+    # --- resume: the newest checkpoint that loads; a damaged one is skipped with a warning, never half-loaded
+    start_update, models = 0, {"policy": policy, "value_model": value_model}
+    if args.resume:
+        found = sorted((os.path.join(output_dir, d) for d in os.listdir(output_dir)
+                        if d.startswith("checkpoint-") and not d.endswith(".tmp")), reverse=True)
+        candidates = found if args.resume == "auto" else [args.resume]
+        for i, path in enumerate(candidates):
+            try:
+                start_update = load_checkpoint(path, models, optimizer, lr_scheduler, scaler, args)
+                print(f"resumed from {path} after update {start_update}", flush=True)
+                break
+            except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError) as e:
+                if args.resume != "auto" or i == len(candidates) - 1:
+                    fail(f"--resume {path!r} cannot be loaded: {str(e).strip().splitlines()[0]}")
+                print(f"warning: skipping damaged checkpoint {path}: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        if not candidates and os.path.exists(metrics_path):
+            fail(f"--resume auto: {output_dir!r} has metrics.jsonl but no checkpoint to resume from")
+        if os.path.exists(metrics_path):  # drop the lines of updates after the checkpoint: no duplicate, no gap
+            with open(metrics_path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["update"] <= start_update]
+            with open(metrics_path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(metrics_path + ".tmp", metrics_path)
     chunk = args.local_rollout_forward_batch_size
-    start_time, bad_updates = time.time(), 0
-    for update in range(num_updates):
+    start_time, bad_updates, metrics = time.time(), 0, None
+    for update in range(start_update, num_updates):
         update_start = time.perf_counter()
         rows = prompt_indices(len(prompt_ids), batch_size, update, args.seed).tolist()
         queries, query_mask = left_pad([prompt_ids[i] for i in rows], tokenizer.pad_token_id)
@@ -815,6 +909,11 @@ def main(args: Args):
             for r, c, s in list(zip(rows, completions, scores.tolist()))[:3]:
                 print(f"    {prompt_texts[r]!r} -> {c!r}  score {s:.2f}", flush=True)
 
+        if STOP_SIGNALS or (args.save_every and (update + 1) % args.save_every == 0):
+            path = save_checkpoint(output_dir, update + 1, models, optimizer, lr_scheduler, scaler, args)
+            if STOP_SIGNALS:
+                print(f"saved {path}; continue with the same flags plus --resume auto", flush=True)
+                return metrics
     save_pretrained_atomic([policy, tokenizer], os.path.join(output_dir, "policy"))
     save_pretrained_atomic([value_model, tokenizer], os.path.join(output_dir, "value_model"))
     print(f"saved policy and value model to {output_dir}", flush=True)
@@ -824,4 +923,6 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
     main(tyro.cli(Args))

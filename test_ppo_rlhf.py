@@ -1,11 +1,14 @@
 """Tests for ppo_rlhf.py: the math against naive float64 references and closed forms, model-level invariants on
 tiny GPT-2 and Llama models saved with save_pretrained and loaded back, and the whole loop end to end. CPU only,
 nothing downloaded. Run: pytest -q test_ppo_rlhf.py"""
+import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -593,3 +596,67 @@ def test_hub_dataset_without_the_datasets_package(tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(SystemExit, match="pip install datasets"):
         P.main(run_args(tiny, tmp_path, dataset="someone/prompts"))
+
+
+# ------------------------------------------------------------------------------------------ checkpoints and resume
+DETERMINISTIC_KEYS = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "memory/")) and k != "eps"}  # noqa: E731
+
+
+def cli_run(tiny, output_dir, *extra):
+    cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1",
+           "--dataset", tiny["prompts"], "--output_dir", output_dir, "--total_episodes", "96",
+           "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
+           "--response_length", "6", "--learning_rate", "1e-3", "--num_sample_generations", "0", "--save_every", "1", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+
+
+def final_weights(output_dir):
+    from safetensors.torch import load_file
+    return {name: load_file(os.path.join(output_dir, name, "model.safetensors")) for name in ("policy", "value_model")}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig):
+    straight = str(tmp_path / "straight")
+    assert cli_run(tiny, straight).wait(timeout=300) == 0
+    killed = str(tmp_path / "killed")
+    process = cli_run(tiny, killed)
+    deadline = time.time() + 300
+    while not os.path.exists(os.path.join(killed, "checkpoint-000002")) and time.time() < deadline:
+        time.sleep(0.01)
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=300)
+    if sig == signal.SIGTERM:
+        assert process.returncode == 0 and "--resume auto" in out, err
+    else:
+        assert process.returncode == -signal.SIGKILL
+    interrupted_at = len(read_metrics(killed))
+    assert 2 <= interrupted_at < 12 and not os.path.exists(os.path.join(killed, "policy"))
+    resumed = cli_run(tiny, killed, "--resume", "auto")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and "resumed from" in out, err
+    a, b = read_metrics(straight), read_metrics(killed)
+    assert [m["update"] for m in b] == list(range(1, 13))  # one line per update: no duplicate, no gap
+    assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b]
+    wa, wb = final_weights(straight), final_weights(killed)
+    for name in wa:
+        assert wa[name].keys() == wb[name].keys() and all(torch.equal(wa[name][k], wb[name][k]) for k in wa[name])
+
+
+def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
+    args = run_args(tiny, tmp_path, total_episodes=24, save_every=1)  # 3 updates; checkpoints 2 and 3 are kept
+    P.main(args)
+    newest = os.path.join(args.output_dir, "checkpoint-000003")
+    assert sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint")) == ["checkpoint-000002", newest[-17:]]
+    weights = os.path.join(newest, "policy.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(SystemExit, match="--resume") as exc:
+        P.main(dataclasses.replace(args, resume=newest))
+    assert "\n" not in str(exc.value)
+    P.main(dataclasses.replace(args, resume="auto"))
+    assert "skipping damaged checkpoint" in capsys.readouterr().err
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
+    with pytest.raises(SystemExit, match="--learning_rate"):  # a checkpoint of another config is refused
+        P.main(dataclasses.replace(args, resume="auto", learning_rate=5e-4))
