@@ -1,6 +1,6 @@
 """PPO for RLHF in one file: fine-tune a language model against a reward model (or a reward function).
 
-    python ppo_rlhf.py                       # built-in toy task, offline, CPU, ~2 min: a tiny Llama learns to add
+    python ppo_rlhf.py                       # built-in toy task, offline, CPU, ~3 min: a tiny Llama learns to add
     python ppo_rlhf.py --model_name_or_path <sft> --reward_model_path <rm> --dataset prompts.jsonl ...
 
 A state s_t is the prompt x plus the response so far y_<t, an action is the next token y_t. For a response
@@ -87,7 +87,7 @@ class Args:
     """allow models and tokenizers that ship their own code"""
 
     # --- rollout
-    total_episodes: int = 38400
+    total_episodes: int = 51200
     """prompts (episodes) over the whole run; updates = total_episodes // rollout batch"""
     response_length: int = 2
     """most tokens sampled per response"""
@@ -161,7 +161,7 @@ def masked_var(x, mask):
     """Unbiased variance of the real entries."""
     mean = masked_mean(x, mask)
     n = mask.sum()
-    return masked_mean((x - mean) ** 2, mask) * n / (n - 1)
+    return masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0, not NaN, for a single entry
 
 
 def masked_whiten(x, mask, shift_mean=True):
@@ -288,7 +288,8 @@ def prompt_indices(num_prompts, batch_size, update, seed):
     data. A pure function of its arguments, so the position in the stream is just the update counter."""
     start = update * batch_size
     passes = range(start // num_prompts, (start + batch_size - 1) // num_prompts + 1)
-    stream = torch.cat([torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + p)) for p in passes])
+    seeds = [seed * 1_000_003 + p for p in passes]  # not seed + p: seed 2's first pass would be seed 1's second
+    stream = torch.cat([torch.randperm(num_prompts, generator=torch.Generator().manual_seed(s)) for s in seeds])
     offset = start - passes[0] * num_prompts
     return stream[offset : offset + batch_size]
 
@@ -617,6 +618,8 @@ def main(args: Args):
     num_updates = args.total_episodes // batch_size
     if num_updates < 1:
         fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
+    if args.num_ppo_epochs < 1:
+        fail(f"--num_ppo_epochs must be >= 1, got {args.num_ppo_epochs}")
     if args.response_length < 1:
         fail(f"--response_length must be >= 1, got {args.response_length}")
     if args.temperature <= 0:
@@ -800,7 +803,7 @@ def main(args: Args):
 
         # 5. PPO epochs: num_ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each
         policy.train(), value_model.train()
-        stats, train_tokens, stop_reason = defaultdict(list), 0, None
+        stats, train_tokens, stop_reason, optimizer_steps = defaultdict(list), 0, None, 0
         for epoch in range(args.num_ppo_epochs):
             for mb_rows in torch.randperm(B, device=device).split(mini_batch_size):
                 mb_approxkl = []
@@ -842,7 +845,9 @@ def main(args: Args):
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
-                stats["policy/grad_norm"].append(grad_norm.float())
+                if torch.isfinite(grad_norm):  # fp16: GradScaler skipped this step and lowered its scale
+                    stats["policy/grad_norm"].append(grad_norm.float())
+                optimizer_steps += 1
                 if args.target_kl is not None and torch.stack(mb_approxkl).mean() > args.target_kl:
                     stop_reason = "target_kl"
                     break
@@ -879,7 +884,7 @@ def main(args: Args):
             "val/explained_variance": explained_variance(values, returns, response_mask).item(),
             "val/mean_response_length": lengths.float().mean().item(),
             **{key: torch.stack(batch_values).mean().item() for key, batch_values in stats.items()},
-            "policy/epochs": epoch + (stop_reason is None),
+            "policy/epochs": optimizer_steps / args.num_mini_batches,
             "time/update_s": update_time,
             "time/generate_s": generate_time,
             "time/score_s": score_time,
