@@ -544,6 +544,12 @@ RUN_ONLY_FIELDS = {"output_dir", "track", "wandb_project_name", "num_sample_gene
                    "save_total_limit", "resume"}  # fields a resumed run may change
 
 
+def list_checkpoints(output_dir):
+    """Complete checkpoint folders in output_dir, oldest first (a .tmp folder is an interrupted write)."""
+    return sorted(os.path.join(output_dir, d) for d in os.listdir(output_dir)
+                  if d.startswith("checkpoint-") and not d.endswith(".tmp"))
+
+
 def save_checkpoint(output_dir, update, models, optimizer, lr_scheduler, scaler, args):
     """Everything the run needs to go on exactly: weights (safetensors), optimizer, schedule, GradScaler, every RNG,
     the update counter (the prompt stream's position follows from it) and the config. Written to a .tmp folder,
@@ -566,8 +572,8 @@ def save_checkpoint(output_dir, update, models, optimizer, lr_scheduler, scaler,
             os.fsync(f.fileno())
     shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same update, skipped on resume
     os.replace(tmp, path)
-    for old in sorted(d for d in os.listdir(output_dir) if d.startswith("checkpoint-") and not d.endswith(".tmp"))[:-args.save_total_limit]:
-        shutil.rmtree(os.path.join(output_dir, old))
+    for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
+        shutil.rmtree(old)
     return path
 
 
@@ -715,9 +721,7 @@ def main(args: Args):
     # --- resume: the newest checkpoint that loads; a damaged one is skipped with a warning, never half-loaded
     start_update, models = 0, {"policy": policy, "value_model": value_model}
     if args.resume:
-        found = sorted((os.path.join(output_dir, d) for d in os.listdir(output_dir)
-                        if d.startswith("checkpoint-") and not d.endswith(".tmp")), reverse=True)
-        candidates = found if args.resume == "auto" else [args.resume]
+        candidates = list_checkpoints(output_dir)[::-1] if args.resume == "auto" else [args.resume]
         for i, path in enumerate(candidates):
             try:
                 start_update = load_checkpoint(path, models, optimizer, lr_scheduler, scaler, args)
