@@ -2,6 +2,7 @@
 
     python ppo_rlhf.py                       # built-in toy task, offline, CPU, ~3 min: a tiny Llama learns to add
     python ppo_rlhf.py --model_name_or_path <sft> --reward_model_path <rm> --dataset prompts.jsonl ...
+    torchrun --nproc_per_node 8 ppo_rlhf.py --distributed fsdp ...        # one node; --nnodes M ... for several
 
 A state s_t is the prompt x plus the response so far y_<t, an action is the next token y_t. For a response
 y_1..y_L sampled from π_old (the policy that generated it) the per-token reward and the losses are
@@ -31,18 +32,20 @@ import resource
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import Literal, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from safetensors import SafetensorError
 from transformers import DynamicCache
 
 
@@ -144,6 +147,18 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute the policy's and value model's activations in the backward pass: less memory, ~1/3 more compute"""
 
+    # --- distributed (under torchrun; batch sizes above are per device)
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: every device holds the whole policy and value model, gradients are averaged; fsdp: FSDP2 shards their
+    weights, gradients and optimizer state over the devices"""
+    shard_frozen_models: bool = False
+    """with fsdp: shard the reference and reward models too (less memory; their layers are gathered per forward)"""
+    rollout_unshard: bool = True
+    """with fsdp: gather the policy's weights once for the whole rollout instead of per layer at every sampled token;
+    turn off if the full policy does not fit on one device"""
+    dist_timeout_s: int = 1800
+    """seconds a collective waits for the other ranks before the run fails (a hang then ends instead of stalling)"""
+
 
 def fail(message):
     """Bad input ends the run with one line naming the flag to fix (no traceback); nothing written is touched."""
@@ -164,9 +179,24 @@ def masked_var(x, mask):
     return masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0, not NaN, for a single entry
 
 
+def all_ranks_sum(x):
+    """Σ of x over all ranks under torchrun (in place); x itself in a single process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def batch_mean_var(x, mask):
+    """Mean and unbiased variance of the real entries of the whole batch: over all ranks under torchrun, so each
+    rank gets what one process holding the concatenated batch would. Two passes (Σx, then Σ(x − μ)²) for accuracy."""
+    n, total = all_ranks_sum(torch.stack([mask.sum().to(x.dtype), torch.where(mask, x, 0.0).sum()]))
+    mean = total / n
+    return mean, all_ranks_sum(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
+
+
 def masked_whiten(x, mask, shift_mean=True):
-    """(x − μ) / σ over the real entries; shift_mean=False keeps μ (scales only)."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    """(x − μ) / σ with μ, σ² of the batch's real entries; shift_mean=False keeps μ (scales only)."""
+    mean, var = batch_mean_var(x, mask)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -280,13 +310,14 @@ def value_loss(values, old_values, returns, mask, cliprange_value):
 
 def explained_variance(predicted, target, mask):
     """1 − Var[target − predicted] / Var[target]: 1 is a perfect value function, 0 no better than a constant."""
-    return 1 - masked_var(target - predicted, mask) / masked_var(target, mask)
+    return 1 - batch_mean_var(target - predicted, mask)[1] / batch_mean_var(target, mask)[1]
 
 
-def prompt_indices(num_prompts, batch_size, update, seed):
-    """Prompts of update `update` (0-based): the next batch_size of an endless stream of reshuffled passes over the
-    data. A pure function of its arguments, so the position in the stream is just the update counter."""
-    start = update * batch_size
+def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
+    """This rank's prompts for update `update` (0-based): the update takes the next world_size x batch_size of an
+    endless stream of reshuffled passes over the data, and rank r the r-th slice of those (no prompt twice within an
+    update). A pure function of its arguments, so the position in the stream is just the update counter."""
+    start = (update * world_size + rank) * batch_size
     passes = range(start // num_prompts, (start + batch_size - 1) // num_prompts + 1)
     seeds = [seed * 1_000_003 + p for p in passes]  # not seed + p: seed 2's first pass would be seed 1's second
     stream = torch.cat([torch.randperm(num_prompts, generator=torch.Generator().manual_seed(s)) for s in seeds])
@@ -369,11 +400,52 @@ def state_values(value_model, query_responses, attention_mask, context_length):
     return forward(value_model, query_responses[:, :-1], attention_mask[:, :-1], query_responses.shape[1] - context_length)
 
 
-@torch.inference_mode()
-def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_id, pad_token_id):
+class PolicyAndValue(torch.nn.Module):
+    """The two trained models as one module: DDP then averages all their gradients in one pass of buckets."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, query_responses, attention_mask, context_length, temperature):
+        """-> log π_θ(y_t|s_t), entropy and V(s_t), each (B, R)."""
+        logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length, temperature)
+        return logprobs, entropy, state_values(self.value_model, query_responses, attention_mask, context_length)
+
+
+def shard(model):
+    """FSDP2: each decoder block is a unit whose weights are gathered only while it runs, the rest another unit. A
+    model with a `score` head gets its backbone and head as two roots, because forward() calls them one by one."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if type(module).__name__ in (model._no_split_modules or ()):
+            fully_shard(module)
+    for root in [getattr(model, model.base_model_prefix), model.score] if hasattr(model, "score") else [model]:
+        fully_shard(root)
+
+
+@contextmanager
+def gathered(model, enabled):
+    """FSDP2: gather a sharded model's full weights once and keep them across forwards (a decoding loop would
+    otherwise all-gather every block at every token), then free them. Without FSDP: nothing."""
+    units = [m for m in model.modules() if hasattr(m, "unshard")] if enabled else []
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:  # FSDP2's defaults: blocks reshard after forward, the root keeps its weights
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
+
+
+def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_id, pad_token_id, sync_ranks=False):
     """Sample y_t ~ softmax(z_t / T) token by token with a KV cache: exactly the policy we train (no top-k/top-p).
     Returns responses (B, L) and log π_old(y_t|s_t) (B, L); after a row's stop token come pad ids and log-prob 0.
-    L < max_new_tokens when every row stopped early."""
+    L < max_new_tokens when every row stopped early. sync_ranks: a sharded policy's forward is a collective, so
+    every rank keeps stepping until all ranks are done. Call under torch.no_grad() or inference_mode()."""
     cache_kw = "cache" if "cache" in inspect.signature(policy.forward).parameters else "past_key_values"
     cache = DynamicCache(config=policy.config)
     ids, mask = queries, query_mask
@@ -388,14 +460,13 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
         logprobs.append(logp.gather(1, token[:, None]).squeeze(1).masked_fill(done, 0.0))
         if stop_token_id is not None:
             done |= token == stop_token_id
-        if done.all():
+        if (all_ranks_sum((~done).sum()[None]) if sync_ranks else (~done).sum()) == 0:
             break
         ids, positions = token[:, None], positions[:, -1:] + 1
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     return torch.stack(tokens, 1), torch.stack(logprobs, 1)
 
 
-@torch.inference_mode()
 def score_texts(reward_model, reward_tokenizer, texts, add_special_tokens):
     """Scores of a reward model with its own tokenizer, on the decoded text (B,). A decoder's `score` head is read at
     the last real token; an encoder classifier pools by itself."""
@@ -528,12 +599,23 @@ def build_addition_task(folder, seed):
     return model_dir, prompts_file
 
 
-def save_pretrained_atomic(objects, path):
+def full_state_dict(model, optimizer=None):
+    """The full (unsharded) state of a plain, DDP or FSDP2 model, on CPU, keyed by parameter name; with an optimizer,
+    its state too. A collective under torchrun: every rank calls it, rank 0 gets the tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if optimizer is None:
+        return get_model_state_dict(model, options=options)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def save_pretrained_atomic(model, state_dict, tokenizer, path):
     """save_pretrained into path.tmp, then swap it in: a crash never leaves a half-written model at `path`."""
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
-    for obj in objects:
-        obj.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
     if os.path.exists(path):
         os.replace(path, old)
     os.replace(tmp, path)
@@ -541,7 +623,8 @@ def save_pretrained_atomic(objects, path):
 
 
 RUN_ONLY_FIELDS = {"output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
-                   "save_total_limit", "resume"}  # fields a resumed run may change
+                   "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
+                   "dist_timeout_s"}  # fields a resumed run may change: none of them changes the numbers
 
 
 def list_checkpoints(output_dir):
@@ -550,26 +633,23 @@ def list_checkpoints(output_dir):
                   if d.startswith("checkpoint-") and not d.endswith(".tmp"))
 
 
-def save_checkpoint(output_dir, update, models, optimizer, lr_scheduler, scaler, args):
-    """Everything the run needs to go on exactly: weights (safetensors), optimizer, schedule, GradScaler, every RNG,
-    the update counter (the prompt stream's position follows from it) and the config. Written to a .tmp folder,
-    flushed, then renamed: a checkpoint-N folder is always complete. Keeps the newest save_total_limit."""
-    from safetensors.torch import save_model
-
+def save_checkpoint(output_dir, update, model, optimizer, lr_scheduler, scaler, args, world_size):
+    """Everything the run needs to go on exactly: full weights and optimizer state, schedule, GradScaler, the update
+    counter (the prompt stream's position and every seed follow from it) and the config. Rank 0 writes a .tmp
+    folder, flushes it and renames it: a checkpoint-N folder is always complete. Keeps the newest save_total_limit."""
+    weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return path
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    for name, model in models.items():
-        save_model(model, os.path.join(tmp, f"{name}.safetensors"))
-    state = dict(update=update, optimizer=optimizer.state_dict(), lr_scheduler=lr_scheduler.state_dict(),
-                 scaler=scaler.state_dict(), rng_torch=torch.get_rng_state(), rng_python=random.getstate(),
-                 rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    state = dict(update=update, model=weights, optimizer=optimizer_state, lr_scheduler=lr_scheduler.state_dict(),
+                 scaler=scaler.state_dict(), world_size=world_size,
                  config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS})
     torch.save(state, os.path.join(tmp, "state.pt"))
-    for name in os.listdir(tmp):
-        with open(os.path.join(tmp, name), "rb") as f:
-            os.fsync(f.fileno())
+    with open(os.path.join(tmp, "state.pt"), "rb") as f:
+        os.fsync(f.fileno())
     shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same update, skipped on resume
     os.replace(tmp, path)
     for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
@@ -577,23 +657,21 @@ def save_checkpoint(output_dir, update, models, optimizer, lr_scheduler, scaler,
     return path
 
 
-def load_checkpoint(path, models, optimizer, lr_scheduler, scaler, args):
-    """Restore what save_checkpoint wrote (weights_only loading: nothing in a checkpoint can run code)."""
-    from safetensors.torch import load_model
+def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, world_size):
+    """Restore what save_checkpoint wrote, on every rank (weights_only loading: nothing in a checkpoint runs code)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS and state["config"].get(k) != v]
     if changed:
         fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
-    for name, model in models.items():
-        load_model(model, os.path.join(path, f"{name}.safetensors"))
-    optimizer.load_state_dict(state["optimizer"])
+    if state["world_size"] != world_size:  # the global batch, hence the prompt stream, depends on it
+        fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many (torchrun --nproc_per_node)")
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, state["model"], options=options)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
-    torch.set_rng_state(state["rng_torch"])
-    random.setstate(state["rng_python"])
-    if state["rng_cuda"]:
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
     return state["update"]
 
 
@@ -609,6 +687,82 @@ def request_stop(signum, frame):
 
 
 # ------------------------------------------------------------------------------------------ training
+def ppo_epochs(model, optimizer, scaler, autocast, batch, args):
+    """5. PPO epochs: num_ppo_epochs passes over this rank's rollout batch in shuffled minibatches, one optimizer step
+    each; a minibatch is gradient_accumulation_steps micro-batches. model: PolicyAndValue, bare or wrapped in DDP,
+    or with FSDP2-sharded parts. batch: the rollout (query_responses, attention_mask, context_length, response_mask,
+    lengths, logprobs, values, advantages, returns). The loss is the mean over the real tokens of the whole minibatch,
+    on all ranks together: a micro-batch's token mean is weighted by its share of those tokens (times the number of
+    ranks, as DDP and FSDP average the ranks' gradients). -> stats (lists per micro-batch), stop reason, steps, tokens."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    query_responses, attention_mask, response_mask = batch["query_responses"], batch["attention_mask"], batch["response_mask"]
+    lengths, P = batch["lengths"], batch["context_length"]
+    B = len(query_responses)
+    mini_batch_size = B // args.num_mini_batches
+    micro_batch_size = mini_batch_size // args.gradient_accumulation_steps
+    params = [p for p in model.parameters() if p.requires_grad]
+    fsdp_units = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
+    stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
+    for epoch in range(args.num_ppo_epochs):
+        for mb_rows in torch.randperm(B, device=lengths.device).split(mini_batch_size):
+            mb_tokens = all_ranks_sum(lengths[mb_rows].sum().float())  # real response tokens of the global minibatch
+            mb_approxkl, non_finite = [], torch.zeros((), device=lengths.device)
+            micro_batches = mb_rows.split(micro_batch_size)
+            for i, micro_rows in enumerate(micro_batches):
+                sync = i == len(micro_batches) - 1  # reduce gradients across ranks after the last micro-batch only
+                for unit in fsdp_units:
+                    unit.set_requires_gradient_sync(sync, recurse=False)
+                L = lengths[micro_rows].max().item()  # pay only for real tokens
+                mb_ids, mb_mask = query_responses[micro_rows, : P + L], attention_mask[micro_rows, : P + L]
+                mb_response_mask = response_mask[micro_rows, :L]
+                old_logprobs = batch["logprobs"][micro_rows, :L]
+                with nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
+                    with autocast:
+                        new_logprobs, entropy, new_values = model(mb_ids, mb_mask, P, args.temperature)
+                    pg_loss, pg_clipfrac, approxkl = policy_loss(new_logprobs, old_logprobs, batch["advantages"][micro_rows, :L],
+                                                                 mb_response_mask, args.cliprange)
+                    vf_loss, vf_clipfrac = value_loss(new_values.float(), batch["values"][micro_rows, :L],
+                                                      batch["returns"][micro_rows, :L], mb_response_mask, args.cliprange_value)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    non_finite += ~torch.isfinite(loss)  # decided for all ranks together below: one rank alone would hang
+                    scaler.scale(loss * (mb_response_mask.sum() * world_size / mb_tokens)).backward()
+                with torch.no_grad():
+                    ratio = (new_logprobs - old_logprobs).exp()
+                    outside = ((ratio - 1).abs() > args.cliprange).float()
+                    for key, value in {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
+                                       "policy/entropy_avg": masked_mean(entropy, mb_response_mask),
+                                       "policy/ratio_outside_clip_avg": masked_mean(outside, mb_response_mask),
+                                       "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
+                                       "val/ratio": masked_mean(ratio, mb_response_mask),
+                                       "val/ratio_var": masked_var(ratio, mb_response_mask)}.items():
+                        stats[key].append(value.detach().float())
+                mb_approxkl.append(approxkl.detach())
+                train_tokens += mb_mask.sum().item()
+            approxkl_sum, non_finite = all_ranks_sum(torch.stack([torch.stack(mb_approxkl).mean(), non_finite]))
+            if non_finite:
+                stop_reason = "non-finite loss"
+                break
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+            if not torch.isfinite(grad_norm) and not scaler.is_enabled():  # GradScaler skips such steps by itself
+                stop_reason = "non-finite gradient"
+                break
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            if torch.isfinite(grad_norm):  # fp16: GradScaler skipped this step and lowered its scale
+                stats["policy/grad_norm"].append(grad_norm.float())
+            optimizer_steps += 1
+            if args.target_kl is not None and approxkl_sum / world_size > args.target_kl:
+                stop_reason = "target_kl"
+                break
+        if stop_reason:
+            break
+    optimizer.zero_grad(set_to_none=True)
+    return stats, stop_reason, optimizer_steps, train_tokens
+
+
 def main(args: Args):
     # --- sizes (per device): rollout batch -> num_mini_batches minibatches -> gradient_accumulation_steps micro-batches
     batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -621,32 +775,52 @@ def main(args: Args):
     if mini_batch_size % args.gradient_accumulation_steps:
         fail(f"minibatch {mini_batch_size} is not divisible by --gradient_accumulation_steps {args.gradient_accumulation_steps}")
     micro_batch_size = mini_batch_size // args.gradient_accumulation_steps
-    num_updates = args.total_episodes // batch_size
-    if num_updates < 1:
-        fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size})")
     if args.num_ppo_epochs < 1:
         fail(f"--num_ppo_epochs must be >= 1, got {args.num_ppo_epochs}")
     if args.response_length < 1:
         fail(f"--response_length must be >= 1, got {args.response_length}")
     if args.temperature <= 0:
         fail(f"--temperature must be > 0, got {args.temperature}")
-    output_dir = args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"
+
+    # --- torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is one process and no process group
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    fsdp = "RANK" in os.environ and args.distributed == "fsdp"
+    if fsdp and args.dtype == "fp16":
+        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
+    if "RANK" in os.environ and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.dist_timeout_s))
+    global_batch_size = batch_size * world_size  # prompts per update over all ranks
+    num_updates = args.total_episodes // global_batch_size
+    if num_updates < 1:
+        fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({global_batch_size} over all ranks)")
+    output_dir = [args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(output_dir)  # rank 0's clock names the run
+    output_dir = output_dir[0]
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
     if os.path.exists(metrics_path) and not args.resume:
         fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto or choose another --output_dir")
 
+    def log(*lines, file=sys.stdout):  # only rank 0 prints and writes
+        if rank == 0:
+            print(*lines, file=file, flush=True)
+
     random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same on every rank: a new value head starts identical everywhere
     transformers.utils.logging.disable_progress_bar()  # loading bars would bury the per-update lines
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     low_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     autocast = torch.autocast(device.type, dtype=low_dtype) if low_dtype else nullcontext()
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
+    no_grad = torch.no_grad if fsdp else torch.inference_mode  # FSDP2 cannot reuse weights gathered in inference mode
 
     # --- models and data
-    model_path, dataset = args.model_name_or_path, args.dataset
-    if "builtin" in (model_path, dataset):
-        builtin_model, builtin_prompts = build_addition_task(os.path.join(output_dir, "builtin_task"), args.seed)
+    model_path, dataset, builtin_dir = args.model_name_or_path, args.dataset, None
+    if "builtin" in (model_path, dataset):  # built by each process in its own folder, loaded, then deleted
+        builtin_dir = tempfile.mkdtemp(prefix="ppo_rlhf_builtin_")
+        builtin_model, builtin_prompts = build_addition_task(builtin_dir, args.seed)
         model_path = builtin_model if model_path == "builtin" else model_path
         dataset = builtin_prompts if dataset == "builtin" else dataset
     tokenizer = ensure_pad_token(load_tokenizer(model_path, "model_name_or_path", args))
@@ -688,6 +862,13 @@ def main(args: Args):
     if args.gradient_checkpointing:
         for model in (policy, value_model):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp:  # every rank keeps 1/world_size of these weights (and of their gradients and optimizer state)
+        for model in [policy, value_model] + ([ref_policy, reward_model] if args.shard_frozen_models else []):
+            if model is not None:
+                shard(model)
+    model = PolicyAndValue(policy, value_model)
+    if "RANK" in os.environ and not fsdp:  # DDP: whole models on every rank, gradients averaged by all-reduce
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
 
     prompt_texts, prompt_ids, prompt_messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
     if not prompt_texts:
@@ -700,40 +881,45 @@ def main(args: Args):
         fail(f"--dataset: prompt {longest} has {len(prompt_ids[longest])} tokens, which with --response_length "
              f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
 
-    params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
+    if builtin_dir:
+        shutil.rmtree(builtin_dir)
+    params = [p for p in model.parameters() if p.requires_grad]
     # fp32 state; fused: 0.06 vs 0.40 s per step for 52M parameters on a 2-core CPU, timed alone
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-8, weight_decay=0.0,
                                   fused=device.type in ("cpu", "cuda"))
     schedule = lambda u: 1.0 - u / num_updates if args.anneal_lr else 1.0  # noqa: E731
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    if args.track:
+    if args.track and rank == 0:
         try:
             import wandb
         except ImportError:
             fail("--track needs `pip install wandb`")
         wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir), config=asdict(args))
-    os.makedirs(output_dir, exist_ok=True)
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
-    print(f"ppo_rlhf: {num_updates} updates of {batch_size} prompts ({args.num_mini_batches} minibatches of "
-          f"{mini_batch_size}, micro-batches of {micro_batch_size}), {len(prompt_texts)} prompts, device {device}, "
-          f"{args.dtype}, output {output_dir}", flush=True)
+    mode = f"{world_size} processes ({args.distributed}), " if "RANK" in os.environ else ""
+    log(f"ppo_rlhf: {num_updates} updates of {global_batch_size} prompts ({mode}{batch_size} per device, "
+        f"{args.num_mini_batches} minibatches of {mini_batch_size}, micro-batches of {micro_batch_size}), "
+        f"{len(prompt_texts)} prompts, device {device}, {args.dtype}, output {output_dir}")
 
     # --- resume: the newest checkpoint that loads; a damaged one is skipped with a warning, never half-loaded
-    start_update, models = 0, {"policy": policy, "value_model": value_model}
+    start_update = 0
     if args.resume:
-        candidates = list_checkpoints(output_dir)[::-1] if args.resume == "auto" else [args.resume]
+        candidates = list_checkpoints(output_dir)[::-1] if args.resume == "auto" and os.path.isdir(output_dir) else (
+            [] if args.resume == "auto" else [args.resume])
         for i, path in enumerate(candidates):
             try:
-                start_update = load_checkpoint(path, models, optimizer, lr_scheduler, scaler, args)
-                print(f"resumed from {path} after update {start_update}", flush=True)
+                start_update = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, world_size)
+                log(f"resumed from {path} after update {start_update}")
                 break
-            except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError) as e:
+            except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
                 if args.resume != "auto" or i == len(candidates) - 1:
                     fail(f"--resume {path!r} cannot be loaded: {str(e).strip().splitlines()[0]}")
-                print(f"warning: skipping damaged checkpoint {path}: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+                log(f"warning: skipping damaged checkpoint {path}: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         if not candidates and os.path.exists(metrics_path):
             fail(f"--resume auto: {output_dir!r} has metrics.jsonl but no checkpoint to resume from")
-        if os.path.exists(metrics_path):  # drop the lines of updates after the checkpoint: no duplicate, no gap
+        if rank == 0 and os.path.exists(metrics_path):  # drop lines of updates after the checkpoint: no duplicate, no gap
             with open(metrics_path) as f:
                 kept = [line for line in f if line.strip() and json.loads(line)["update"] <= start_update]
             with open(metrics_path + ".tmp", "w") as f:
@@ -743,16 +929,21 @@ def main(args: Args):
     start_time, bad_updates, metrics = time.time(), 0, None
     for update in range(start_update, num_updates):
         update_start = time.perf_counter()
-        rows = prompt_indices(len(prompt_ids), batch_size, update, args.seed).tolist()
+        # each rank takes its own slice of the update's global batch, and its own seed (ints hash to themselves,
+        # so this is the same in every run): a resumed run continues exactly, with no RNG state to restore
+        rows = prompt_indices(len(prompt_ids), batch_size, update, args.seed, rank, world_size).tolist()
+        random.seed(hash((args.seed, update, rank)))
+        torch.manual_seed(hash((args.seed, update, rank)) % 2**63)
         queries, query_mask = left_pad([prompt_ids[i] for i in rows], tokenizer.pad_token_id)
         queries, query_mask = queries.to(device), query_mask.to(device)
         B, P = queries.shape  # P = context_length: every response starts at column P
         policy.eval(), value_model.eval()  # dropout is off anyway; eval() keeps the KV cache on under gradient checkpointing
 
         # 1. rollout: sample responses with the current policy π_old, keeping log π_old of each sampled token
-        with torch.inference_mode(), autocast:
+        with no_grad(), autocast, gathered(policy, fsdp and args.rollout_unshard):
             generated = [generate(policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
-                                  args.temperature, stop_token_id, tokenizer.pad_token_id) for i in range(0, B, chunk)]
+                                  args.temperature, stop_token_id, tokenizer.pad_token_id,
+                                  sync_ranks=fsdp and not args.rollout_unshard) for i in range(0, B, chunk)]
         R = max(r.shape[1] for r, _ in generated)
         responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=tokenizer.pad_token_id) for r, _ in generated])
         logprobs = torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated])
@@ -767,7 +958,7 @@ def main(args: Args):
         ref_logprobs = torch.zeros(B, R, device=device)
         values = torch.zeros(B, R, device=device)
         scores = torch.zeros(B, device=device)
-        with torch.inference_mode(), autocast:
+        with no_grad(), autocast:
             for i in range(0, B, chunk):
                 rows_i = slice(i, i + chunk)
                 width = P + lengths[rows_i].max().item()  # trim the chunk to its longest real sequence
@@ -783,7 +974,7 @@ def main(args: Args):
             texts = [reward_tokenizer.apply_chat_template(prompt_messages[r] + [{"role": "assistant", "content": c}], tokenize=False)
                      if prompt_messages[r] is not None and reward_tokenizer.chat_template else prompt_texts[r] + c
                      for r, c in zip(rows, completions)]
-            with autocast:
+            with no_grad(), autocast:
                 scores = torch.cat([score_texts(reward_model, reward_tokenizer, texts[i : i + chunk],
                                                 add_special_tokens=prompt_messages[rows[i]] is None) for i in range(0, B, chunk)])
         elif reward_fn is not None:
@@ -807,127 +998,93 @@ def main(args: Args):
 
         # 5. PPO epochs: num_ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each
         policy.train(), value_model.train()
-        stats, train_tokens, stop_reason, optimizer_steps = defaultdict(list), 0, None, 0
-        for epoch in range(args.num_ppo_epochs):
-            for mb_rows in torch.randperm(B, device=device).split(mini_batch_size):
-                mb_approxkl = []
-                for micro_rows in mb_rows.split(micro_batch_size):
-                    L = lengths[micro_rows].max().item()  # pay only for real tokens
-                    mb_ids, mb_mask = query_responses[micro_rows, : P + L], attention_mask[micro_rows, : P + L]
-                    mb_response_mask = response_mask[micro_rows, :L]
-                    with autocast:
-                        new_logprobs, entropy = response_logprobs(policy, mb_ids, mb_mask, P, args.temperature)
-                        new_values = state_values(value_model, mb_ids, mb_mask, P)
-                    pg_loss, pg_clipfrac, approxkl = policy_loss(new_logprobs, logprobs[micro_rows, :L],
-                                                                 advantages[micro_rows, :L], mb_response_mask, args.cliprange)
-                    vf_loss, vf_clipfrac = value_loss(new_values.float(), values[micro_rows, :L], returns[micro_rows, :L],
-                                                      mb_response_mask, args.cliprange_value)
-                    loss = pg_loss + args.vf_coef * vf_loss
-                    if not torch.isfinite(loss):
-                        stop_reason = "non-finite loss"
-                        break
-                    scaler.scale(loss / args.gradient_accumulation_steps).backward()
-                    with torch.no_grad():
-                        ratio = (new_logprobs - logprobs[micro_rows, :L]).exp()
-                        outside = ((ratio - 1).abs() > args.cliprange).float()
-                        for key, value in {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
-                                           "policy/entropy_avg": masked_mean(entropy, mb_response_mask),
-                                           "policy/ratio_outside_clip_avg": masked_mean(outside, mb_response_mask),
-                                           "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
-                                           "val/ratio": masked_mean(ratio, mb_response_mask),
-                                           "val/ratio_var": masked_var(ratio, mb_response_mask)}.items():
-                            stats[key].append(value.detach().float())
-                    mb_approxkl.append(approxkl.detach())
-                    train_tokens += mb_mask.sum().item()
-                if stop_reason:
-                    break
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                if not torch.isfinite(grad_norm) and not scaler.is_enabled():  # GradScaler skips such steps by itself
-                    stop_reason = "non-finite gradient"
-                    break
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                if torch.isfinite(grad_norm):  # fp16: GradScaler skipped this step and lowered its scale
-                    stats["policy/grad_norm"].append(grad_norm.float())
-                optimizer_steps += 1
-                if args.target_kl is not None and torch.stack(mb_approxkl).mean() > args.target_kl:
-                    stop_reason = "target_kl"
-                    break
-            if stop_reason:
-                break
-        optimizer.zero_grad(set_to_none=True)
+        batch = dict(query_responses=query_responses, attention_mask=attention_mask, context_length=P, response_mask=response_mask,
+                     lengths=lengths, logprobs=logprobs, values=values, advantages=advantages, returns=returns)
+        stats, stop_reason, optimizer_steps, train_tokens = ppo_epochs(model, optimizer, scaler, autocast, batch, args)
         lr = lr_scheduler.get_last_lr()[0]
         lr_scheduler.step()
         train_time = time.perf_counter() - update_start - generate_time - score_time
         if stop_reason in ("non-finite loss", "non-finite gradient"):
             bad_updates += 1
-            print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr, flush=True)
+            log(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr)
             if bad_updates >= 3:
                 fail(f"{bad_updates} updates in a row had a non-finite loss or gradient; lower --learning_rate, "
                      "check the reward scale, or use --dtype fp32")
         else:
             bad_updates = 0
 
-        # 6. log: TRL's metric names; per-sequence sums averaged over the batch, training stats over all micro-batches
+        # 6. log: TRL's metric names; per-sequence sums averaged over the batch, training stats over all micro-batches,
+        #    both over all ranks (token and EOS counts summed); times and memory are rank 0's
         update_time = time.perf_counter() - update_start
         peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # Linux: KiB
+        averaged = {
+            "objective/kl": kl.sum(1).mean(),
+            "objective/entropy": (-logprobs).sum(1).mean(),
+            "objective/non_score_reward": (-args.kl_coef * kl).sum(1).mean(),
+            "objective/rlhf_reward": (scores - args.kl_coef * kl.sum(1)).mean(),
+            "objective/scores": scores.mean(),
+            "val/explained_variance": explained_variance(values, returns, response_mask),  # already global
+            "val/mean_response_length": lengths.float().mean(),
+            **{key: torch.stack(batch_values).mean() for key, batch_values in stats.items()},
+            "policy/epochs": optimizer_steps / args.num_mini_batches,
+        }
+        if stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
+            averaged["policy/first_ratio"], averaged["policy/first_approxkl"] = stats["val/ratio"][0], stats["policy/approxkl_avg"][0]
+        if reward_fn is not None and args.reward_fn == Args.reward_fn:  # the built-in task: exactly the sum, then EOS
+            averaged["objective/success_rate"] = (raw_scores == 1).float().mean()
+        summed = {"val/num_eos_tokens": contains_eos.sum(), "rollout": response_mask.sum(), "score": attention_mask.sum(),
+                  "train": train_tokens}
+        reduced = all_ranks_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device)
+                                             for v in [*averaged.values(), *summed.values()]])).tolist()
+        averaged = {key: value / world_size for key, value in zip(averaged, reduced)}
+        summed = dict(zip(summed, reduced[len(averaged):]))
         metrics = {
             "update": update + 1,
-            "episode": (update + 1) * batch_size,
-            "eps": (update + 1) * batch_size / (time.time() - start_time),
+            "episode": (update + 1) * global_batch_size,
+            "eps": (update + 1) * global_batch_size / (time.time() - start_time),
             "lr": lr,
-            "objective/kl": kl.sum(1).mean().item(),
-            "objective/entropy": (-logprobs).sum(1).mean().item(),
-            "objective/non_score_reward": (-args.kl_coef * kl).sum(1).mean().item(),
-            "objective/rlhf_reward": (scores - args.kl_coef * kl.sum(1)).mean().item(),
-            "objective/scores": scores.mean().item(),
-            "val/num_eos_tokens": contains_eos.sum().item(),
-            "val/explained_variance": explained_variance(values, returns, response_mask).item(),
-            "val/mean_response_length": lengths.float().mean().item(),
-            **{key: torch.stack(batch_values).mean().item() for key, batch_values in stats.items()},
-            "policy/epochs": optimizer_steps / args.num_mini_batches,
+            **averaged,
+            "val/num_eos_tokens": summed["val/num_eos_tokens"],
             "time/update_s": update_time,
             "time/generate_s": generate_time,
             "time/score_s": score_time,
             "time/train_s": train_time,
-            "time/rollout_tokens_per_s": response_mask.sum().item() / generate_time,
-            "time/score_tokens_per_s": attention_mask.sum().item() / score_time,
-            "time/train_tokens_per_s": train_tokens / max(train_time, 1e-9),
+            "time/rollout_tokens_per_s": summed["rollout"] / generate_time,  # all ranks' tokens
+            "time/score_tokens_per_s": summed["score"] / score_time,
+            "time/train_tokens_per_s": summed["train"] / max(train_time, 1e-9),
             "memory/peak_mib": peak_memory,
         }
-        if stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
-            metrics["policy/first_ratio"] = stats["val/ratio"][0].item()
-            metrics["policy/first_approxkl"] = stats["policy/approxkl_avg"][0].item()
-        if reward_fn is not None and args.reward_fn == Args.reward_fn:  # the built-in task: exactly the sum, then EOS
-            metrics["objective/success_rate"] = (raw_scores == 1).float().mean().item()
-        with open(metrics_path, "a") as f:  # one whole line per update, written when the update is done
-            f.write(json.dumps(metrics) + "\n")
-        if args.track:
-            wandb.log(metrics, step=update + 1)
+        if rank == 0:
+            with open(metrics_path, "a") as f:  # one whole line per update, written when the update is done
+                f.write(json.dumps(metrics) + "\n")
+            if args.track:
+                wandb.log(metrics, step=update + 1)
         success = f"success {metrics['objective/success_rate']:4.0%}  " if "objective/success_rate" in metrics else ""
-        print(f"update {update + 1}/{num_updates}  {success}score {metrics['objective/scores']:.3f}  "
-              f"kl {metrics['objective/kl']:.3f}  approxkl {metrics.get('policy/approxkl_avg', float('nan')):.4f}  "
-              f"clipfrac {metrics.get('policy/clipfrac_avg', float('nan')):.3f}  "
-              f"vloss {metrics.get('loss/value_avg', float('nan')):.4f}  ev {metrics['val/explained_variance']:.2f}  "
-              f"len {metrics['val/mean_response_length']:.1f}  | {update_time:.2f}s: generate {generate_time:.2f}  "
-              f"score {score_time:.2f}  train {train_time:.2f}  | {peak_memory:.0f} MiB", flush=True)
+        log(f"update {update + 1}/{num_updates}  {success}score {metrics['objective/scores']:.3f}  "
+            f"kl {metrics['objective/kl']:.3f}  approxkl {metrics.get('policy/approxkl_avg', float('nan')):.4f}  "
+            f"clipfrac {metrics.get('policy/clipfrac_avg', float('nan')):.3f}  "
+            f"vloss {metrics.get('loss/value_avg', float('nan')):.4f}  ev {metrics['val/explained_variance']:.2f}  "
+            f"len {metrics['val/mean_response_length']:.1f}  | {update_time:.2f}s: generate {generate_time:.2f}  "
+            f"score {score_time:.2f}  train {train_time:.2f}  | {peak_memory:.0f} MiB")
         if sample_every and (update % sample_every == 0 or update == num_updates - 1):
             for r, c, s in list(zip(rows, completions, scores.tolist()))[:3]:
-                print(f"    {prompt_texts[r]!r} -> {c!r}  score {s:.2f}", flush=True)
+                log(f"    {prompt_texts[r]!r} -> {c!r}  score {s:.2f}")
 
-        if STOP_SIGNALS or (args.save_every and (update + 1) % args.save_every == 0):
-            path = save_checkpoint(output_dir, update + 1, models, optimizer, lr_scheduler, scaler, args)
-            if STOP_SIGNALS:
-                print(f"saved {path}; continue with the same flags plus --resume auto", flush=True)
+        stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=device)).item() > 0  # a signal on any rank
+        if stop or (args.save_every and (update + 1) % args.save_every == 0):
+            path = save_checkpoint(output_dir, update + 1, model, optimizer, lr_scheduler, scaler, args, world_size)
+            if stop:
+                log(f"saved {path}; continue with the same flags plus --resume auto")
                 return metrics
-    save_pretrained_atomic([policy, tokenizer], os.path.join(output_dir, "policy"))
-    save_pretrained_atomic([value_model, tokenizer], os.path.join(output_dir, "value_model"))
-    print(f"saved policy and value model to {output_dir}", flush=True)
-    if args.track:
-        wandb.finish()
+    weights = full_state_dict(model)  # a collective: every rank takes part, rank 0 writes
+    if rank == 0:
+        for name, part in (("policy", policy), ("value_model", value_model)):
+            state_dict = {key.split(".", 1)[1]: value for key, value in weights.items() if key.startswith(name + ".")}
+            save_pretrained_atomic(part, state_dict, tokenizer, os.path.join(output_dir, name))
+        log(f"saved policy and value model to {output_dir}")
+        if args.track:
+            wandb.finish()
     return metrics
 
 
@@ -935,3 +1092,5 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     main(tyro.cli(Args))
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -323,6 +324,9 @@ def test_prompt_stream_is_reshuffled_passes_without_repeats():
     assert P.prompt_indices(n, n, 1, seed=1).tolist() != P.prompt_indices(n, n, 0, seed=2).tolist()  # seeds differ
     big = P.prompt_indices(3, 7, 0, seed=0).tolist()  # a batch larger than the data: whole passes, then some
     assert sorted(big[:3]) == sorted(big[3:6]) == [0, 1, 2] and len(big) == 7
+    for u in range(3):  # under torchrun: 3 ranks split each update's 12 prompts (one pass + 2) into disjoint thirds
+        ranks = [P.prompt_indices(n, batch, u, 7, rank, 3) for rank in range(3)]
+        assert torch.cat(ranks).tolist() == P.prompt_indices(n, 3 * batch, u, seed=7).tolist()
 
 
 def test_left_pad():
@@ -654,7 +658,7 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
     P.main(args)
     newest = os.path.join(args.output_dir, "checkpoint-000003")
     assert sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint")) == ["checkpoint-000002", newest[-17:]]
-    weights = os.path.join(newest, "policy.safetensors")
+    weights = os.path.join(newest, "state.pt")
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(SystemExit, match="--resume") as exc:
@@ -665,3 +669,176 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
     with pytest.raises(SystemExit, match="--learning_rate"):  # a checkpoint of another config is refused
         P.main(dataclasses.replace(args, resume="auto", learning_rate=5e-4))
+
+
+# ------------------------------------------------------------------------------------------ torchrun: DDP and FSDP2
+# Two gloo processes on CPU. Collectives time out after 30-60 s, so a hang fails the test instead of stalling CI.
+needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                reason="torch.distributed with gloo is not available")
+
+
+def torchrun(*args, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
+           "--dist_timeout_s", "60", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@needs_gloo
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode):
+    out = str(tmp_path / mode)
+    flags = ["--model_name_or_path", tiny["gpt2"], "--reward_model_path", tiny["gpt2_rm"], "--dataset", tiny["prompts"],
+             "--output_dir", out, "--total_episodes", "32", "--per_device_train_batch_size", "8", "--num_mini_batches", "2",
+             "--num_ppo_epochs", "2", "--response_length", "6", "--num_sample_generations", "0", "--save_every", "1",
+             "--distributed", mode] + (["--shard_frozen_models"] if mode == "fsdp" else [])
+    result = torchrun(*flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["episode"] for m in metrics] == [16, 32]  # 2 ranks x 8 prompts per update, one line per update
+    assert result.stdout.count("update 1/2 ") == 1 and "2 processes" in result.stdout  # rank 0 alone prints
+    check_run(out, tiny["gpt2"], metrics)
+    assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "metrics.jsonl", "policy", "value_model"]
+    # resuming from the first checkpoint redoes update 2 exactly: weights and optimizer state came back whole
+    resumed = torchrun(*flags, "--resume", os.path.join(out, "checkpoint-000001"))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    assert [DETERMINISTIC_KEYS(m) for m in read_metrics(out)] == [DETERMINISTIC_KEYS(m) for m in metrics]
+
+
+def init_gloo(rank, port):
+    import datetime
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                         timeout=datetime.timedelta(seconds=30))
+    torch.set_num_threads(1)
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_2(worker, *args):
+    torch.multiprocessing.spawn(worker, args=(free_port(), *args), nprocs=2, join=True)
+
+
+def whiten_worker(rank, port, data_file, out_file):
+    init_gloo(rank, port)
+    x, mask = torch.load(data_file)
+    half = slice(rank * 5, rank * 5 + 5)
+    result = (P.masked_whiten(x[half], mask[half]), P.masked_whiten(x[half], mask[half], shift_mean=False),
+              P.explained_variance(x[half] * 0.5, x[half], mask[half]))
+    torch.save(result, f"{out_file}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+@needs_gloo
+def test_whitening_over_two_ranks_equals_whitening_over_the_concatenated_batch(tmp_path):
+    x, mask = torch.randn(10, 7, dtype=torch.float64) * 3 + 1, random_mask((10, 7), seed=5)
+    mask[:5, 4:] = False  # rank 0 holds far fewer real entries than rank 1: a mean of the ranks' means would be wrong
+    torch.save((x, mask), tmp_path / "data.pt")
+    spawn_2(whiten_worker, str(tmp_path / "data.pt"), str(tmp_path / "out"))
+    ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    whole = P.masked_whiten(x, mask), P.masked_whiten(x, mask, shift_mean=False), P.explained_variance(x * 0.5, x, mask)
+    for r in range(2):
+        half = slice(r * 5, r * 5 + 5)
+        assert torch.allclose(ranks[r][0][mask[half]], whole[0][half][mask[half]], atol=1e-12)
+        assert torch.allclose(ranks[r][1][mask[half]], whole[1][half][mask[half]], atol=1e-12)
+        assert torch.allclose(ranks[r][2], whole[2], atol=1e-12)
+    local = P.masked_whiten(x[:5], mask[:5])  # the test has teeth: whitening with one rank's statistics differs
+    assert (local[mask[:5]] - whole[0][:5][mask[:5]]).abs().max() > 1e-3
+
+
+def fixed_rollout(tiny, batch_size):
+    """A rollout from the tiny GPT-2 with varied response lengths, values and whitened advantages, as main() makes."""
+    policy, value_model = loaded(tiny, "gpt2"), loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")
+    gen = torch.Generator().manual_seed(3)
+    queries, query_mask = P.left_pad([torch.randint(3, 40, (int(n),), generator=gen).tolist()
+                                      for n in torch.randint(2, 6, (batch_size,), generator=gen)], pad_token_id=0)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        responses, logprobs = P.generate(policy, queries, query_mask, 6, 1.0, stop_token_id=None, pad_token_id=0)
+        lengths = torch.randint(1, 7, (batch_size,), generator=gen)
+        response_mask = torch.arange(6) < lengths[:, None]
+        query_responses, attention_mask = torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1)
+        values = P.state_values(value_model, query_responses, attention_mask, queries.shape[1])
+        rewards = torch.where(response_mask, torch.randn(batch_size, 6, generator=gen), 0.0)
+        advantages, returns = P.gae(rewards, values, response_mask, 1.0, 0.95)
+    return dict(query_responses=query_responses, attention_mask=attention_mask, context_length=queries.shape[1],
+                response_mask=response_mask, lengths=lengths, logprobs=logprobs.masked_fill(~response_mask, 0.0),
+                values=values, advantages=P.masked_whiten(advantages, response_mask).masked_fill(~response_mask, 0.0),
+                returns=returns)
+
+
+def one_update(tiny, batch, mode, gradient_accumulation_steps):
+    """One PPO update (2 epochs, 1 minibatch: 2 optimizer steps) on `batch`; -> the full weights afterwards."""
+    policy, value_model = loaded(tiny, "gpt2"), loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")
+    if mode == "fsdp":
+        P.shard(policy), P.shard(value_model)
+    model = P.PolicyAndValue(policy, value_model)
+    if mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    args = P.Args(num_ppo_epochs=2, num_mini_batches=1, gradient_accumulation_steps=gradient_accumulation_steps)
+    torch.manual_seed(0)
+    stats, stop_reason, steps, _ = P.ppo_epochs(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), nullcontext(),
+                                                batch, args)
+    assert stop_reason is None and steps == 2
+    return P.full_state_dict(model)
+
+
+def update_worker(rank, port, tiny, batch_file, mode, out_file):
+    init_gloo(rank, port)
+    batch = torch.load(batch_file)
+    half = {k: v if k == "context_length" else v[rank * 4 : rank * 4 + 4] for k, v in batch.items()}
+    weights = one_update(tiny, half, mode, gradient_accumulation_steps=1)
+    if rank == 0:
+        torch.save(weights, out_file)
+    torch.distributed.destroy_process_group()
+
+
+@needs_gloo
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_with_half_the_batch_make_the_same_update_as_one_rank(tiny, tmp_path, mode):
+    batch = fixed_rollout(tiny, 8)
+    assert batch["lengths"][:4].sum() != batch["lengths"][4:].sum()  # unequal token counts: the loss weighting matters
+    torch.save(batch, tmp_path / "batch.pt")
+    spawn_2(update_worker, tiny, str(tmp_path / "batch.pt"), mode, str(tmp_path / "weights.pt"))
+    two_ranks = torch.load(tmp_path / "weights.pt")
+    one_rank = one_update(tiny, batch, "none", gradient_accumulation_steps=2)  # 2 micro-batches of 4
+    initial = P.full_state_dict(P.PolicyAndValue(loaded(tiny, "gpt2"), loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")))
+    assert two_ranks.keys() == one_rank.keys()
+    assert sum(not torch.equal(one_rank[k], initial[k]) for k in one_rank) > len(one_rank) // 2  # it did train
+    for k in one_rank:
+        assert torch.allclose(two_ranks[k], one_rank[k], atol=2e-6), k
+
+
+def generate_worker(rank, port, tiny, unshard, out_file):
+    init_gloo(rank, port)
+    policy = loaded(tiny, "gpt2")
+    queries, query_mask = P.left_pad([[5, 6, 7]] * 3 if rank == 0 else [[8, 9], [10, 11, 12], [13]], pad_token_id=0)
+    with torch.no_grad():  # rank 0 stops at its greedy first token: after one step; rank 1 never stops
+        stop = int(policy(input_ids=queries).logits[0, -1].argmax()) if rank == 0 else None
+    torch.manual_seed(rank)
+    with torch.no_grad():
+        reference = P.generate(policy, queries, query_mask, 8, 0.01, stop, pad_token_id=0)
+    P.shard(policy)
+    torch.manual_seed(rank)
+    with torch.no_grad(), P.gathered(policy, unshard):
+        sharded = P.generate(policy, queries, query_mask, 8, 0.01, stop, pad_token_id=0, sync_ranks=not unshard)
+    torch.save((reference, sharded), f"{out_file}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+@needs_gloo
+@pytest.mark.parametrize("unshard", [True, False])
+def test_fsdp_ranks_that_stop_at_different_lengths_do_not_hang(tiny, tmp_path, unshard):
+    start = time.time()
+    spawn_2(generate_worker, tiny, unshard, str(tmp_path / "out"))
+    assert time.time() - start < 30  # well inside the 30 s collective timeout
+    for rank in range(2):
+        (ref_tokens, ref_logprobs), (tokens, logprobs) = torch.load(tmp_path / f"out.{rank}")
+        assert ref_tokens.shape[1] == (1 if rank == 0 else 8)
+        n = ref_tokens.shape[1]  # the sharded policy samples the same tokens with the same log-probs
+        assert torch.equal(tokens[:, :n], ref_tokens) and torch.allclose(logprobs[:, :n], ref_logprobs, atol=1e-5)
+        assert (tokens[:, n:] == 0).all()  # a rank kept in step by the others only adds padding
