@@ -698,6 +698,9 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode):
     assert result.stdout.count("update 1/2 ") == 1 and "2 processes" in result.stdout  # rank 0 alone prints
     check_run(out, tiny["gpt2"], metrics)
     assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "metrics.jsonl", "policy", "value_model"]
+    last = torch.load(os.path.join(out, "checkpoint-000002", "state.pt"), weights_only=True)["model"]
+    for name, weights in final_weights(out).items():  # the saved models are the whole trained ones, not a shard
+        assert all(torch.equal(value, last[f"{name}.{key}"]) for key, value in weights.items()) and len(weights) > 20
     # resuming from the first checkpoint redoes update 2 exactly: weights and optimizer state came back whole
     resumed = torchrun(*flags, "--resume", os.path.join(out, "checkpoint-000001"))
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
