@@ -206,42 +206,61 @@ def logprobs_chunk_rows(vocab_size):
     return max(1, 2**24 // vocab_size)
 
 
+def chunk_logits(x, weight, bias):
+    """One chunk's logits: x itself, or the output layer z = x·Wᵀ + b applied to hidden states x (N, H)."""
+    return x if weight is None else F.linear(x.to(weight.dtype), weight, bias)
+
+
 class TokenLogprobs(torch.autograd.Function):
-    """log π(a) = z_a/T − logsumexp(z/T) and the entropy H = logsumexp(z/T) − Σ_v π_v·z_v/T, in float32,
-    one chunk of rows at a time: never a float32 copy of the whole (N, V) logits.
-    Backward: ∂ log π(a) / ∂z = (onehot(a) − π) / T, again chunk by chunk."""
+    """log π(a) = z_a/T − logsumexp(z/T) and the entropy H = logsumexp(z/T) − Σ_v π_v·z_v/T in float32, one chunk of
+    rows at a time. z comes as logits x (N, V), or is computed chunk by chunk from hidden states x (N, H) and the
+    output layer (W, b): then no (N, V) tensor ever exists whole, and backward computes each chunk's z once more.
+    Backward: ∂ log π(a) / ∂z = (onehot(a) − π) / T;  then ∂x = ∂z·W,  ∂W = Σ_chunks ∂zᵀ·x,  ∂b = Σ_rows ∂z."""
 
     @staticmethod
-    def forward(ctx, logits, tokens, temperature):  # logits (N, V) any float dtype, tokens (N,)
-        n, chunk = logits.shape[0], logprobs_chunk_rows(logits.shape[1])
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        entropy = torch.empty_like(lse)
+    def forward(ctx, x, weight, bias, tokens, temperature):  # x (N, V) or (N, H), weight (V, H) or None, tokens (N,)
+        if weight is not None and torch.is_autocast_enabled(x.device.type):  # the matmul in autocast's dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        n, chunk = x.shape[0], logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
+        lse = torch.empty(n, dtype=torch.float32, device=x.device)
+        entropy, logprobs = torch.empty_like(lse), torch.empty_like(lse)
         for s in range(0, n, chunk):
-            z = logits[s : s + chunk].float() / temperature
+            z = chunk_logits(x[s : s + chunk], weight, bias).float() / temperature
             lse[s : s + chunk] = z.logsumexp(-1)
-            probs = (z - lse[s : s + chunk, None]).exp_()
-            entropy[s : s + chunk] = lse[s : s + chunk] - (probs * z).sum(-1)
-        logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1).float() / temperature - lse
-        ctx.save_for_backward(logits, tokens, lse)
+            logprobs[s : s + chunk] = z.gather(-1, tokens[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            entropy[s : s + chunk] = lse[s : s + chunk] - ((z - lse[s : s + chunk, None]).exp_() * z).sum(-1)
+        ctx.save_for_backward(x, weight, bias, tokens, lse)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, _):
-        logits, tokens, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        chunk = logprobs_chunk_rows(logits.shape[1])
-        for s in range(0, logits.shape[0], chunk):
+        x, weight, bias, tokens, lse = ctx.saved_tensors
+        grad_x = torch.empty_like(x)
+        grad_w = None if weight is None else torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=x.device)
+        chunk = logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
+        for s in range(0, x.shape[0], chunk):
             g = grad_logprobs[s : s + chunk, None]
-            probs = (logits[s : s + chunk].float() / ctx.temperature - lse[s : s + chunk, None]).exp_()
-            grad[s : s + chunk] = ((-probs * g).scatter_add_(-1, tokens[s : s + chunk, None], g) / ctx.temperature)
-        return grad, None, None
+            probs = (chunk_logits(x[s : s + chunk], weight, bias).float() / ctx.temperature - lse[s : s + chunk, None]).exp_()
+            grad_z = (-probs * g).scatter_add_(-1, tokens[s : s + chunk, None], g) / ctx.temperature  # (chunk, V)
+            if weight is None:
+                grad_x[s : s + chunk] = grad_z
+                continue
+            grad_x[s : s + chunk] = grad_z.to(weight.dtype) @ weight
+            grad_w += (grad_z.to(weight.dtype).T @ x[s : s + chunk].to(weight.dtype)).float()
+            if bias is not None:
+                grad_b += grad_z.sum(0)
+        return grad_x, grad_w, grad_b, None, None
 
 
-def token_logprobs(logits, tokens, temperature=1.0):
-    """(B, T, V) logits, (B, T) tokens -> log π(token) (B, T) and entropy (B, T), both float32."""
-    logprobs, entropy = TokenLogprobs.apply(logits.flatten(0, 1), tokens.flatten(), temperature)
+def token_logprobs(x, tokens, temperature=1.0, head=None):
+    """(B, T, V) logits, or (B, T, H) hidden states and the output layer `head` (an nn.Linear), and (B, T) tokens
+    -> log π(token) (B, T) and entropy (B, T), both float32."""
+    weight, bias = (None, None) if head is None else (head.weight, head.bias)
+    logprobs, entropy = TokenLogprobs.apply(x.flatten(0, 1), weight, bias, tokens.flatten(), temperature)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
 
 
@@ -387,12 +406,31 @@ def forward(model, input_ids, attention_mask, keep):
     return model(**kwargs, logits_to_keep=keep).logits
 
 
-def response_logprobs(policy, query_responses, attention_mask, context_length, temperature):
-    """log π(y_t|s_t) and entropy for every response position (B, R). Logits at position P−1+t predict response
-    token t, so the last token is never fed and only the R response positions get logits."""
+def output_layer(model):
+    """The causal LM's output layer if its logits are exactly that nn.Linear applied to the backbone's last hidden
+    state, else None (checked on a probe input: some models scale or cap their logits). With it, log-probs are taken
+    from the hidden states chunk by chunk and the (B, R, V) logits are never made."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    ids = torch.arange(1, 5, device=head.weight.device)[None] % head.out_features
+    with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
+        logits = model(input_ids=ids, use_cache=False).logits
+        hidden = getattr(model, model.base_model_prefix)(input_ids=ids, use_cache=False).last_hidden_state
+        return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
+
+
+def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
+    """log π(y_t|s_t) and entropy for every response position (B, R). Position P−1+t predicts response token t, so the
+    last token is never fed and only the R response positions get logits. head: output_layer(policy), or None."""
     responses = query_responses[:, context_length:]
-    logits = forward(policy, query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1])
-    return token_logprobs(logits, responses, temperature)
+    ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
+    if head is None:
+        return token_logprobs(forward(policy, ids, mask, R), responses, temperature)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = getattr(policy, policy.base_model_prefix)(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                                       use_cache=False).last_hidden_state[:, -R:]
+    return token_logprobs(hidden, responses, temperature, head)
 
 
 def state_values(value_model, query_responses, attention_mask, context_length):
@@ -403,13 +441,14 @@ def state_values(value_model, query_responses, attention_mask, context_length):
 class PolicyAndValue(torch.nn.Module):
     """The two trained models as one module: DDP then averages all their gradients in one pass of buckets."""
 
-    def __init__(self, policy, value_model):
+    def __init__(self, policy, value_model, fused_head=False):
         super().__init__()
-        self.policy, self.value_model = policy, value_model
+        self.policy, self.value_model, self.fused_head = policy, value_model, fused_head  # output_layer(policy) is not None
 
     def forward(self, query_responses, attention_mask, context_length, temperature):
         """-> log π_θ(y_t|s_t), entropy and V(s_t), each (B, R)."""
-        logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length, temperature)
+        head = self.policy.get_output_embeddings() if self.fused_head else None
+        logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length, temperature, head)
         return logprobs, entropy, state_values(self.value_model, query_responses, attention_mask, context_length)
 
 
@@ -862,11 +901,15 @@ def main(args: Args):
     if args.gradient_checkpointing:
         for model in (policy, value_model):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
+    # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
+    policy_head = None if fsdp else output_layer(policy)
+    ref_head = None if fsdp and args.shard_frozen_models else output_layer(ref_policy)
     if fsdp:  # every rank keeps 1/world_size of these weights (and of their gradients and optimizer state)
         for model in [policy, value_model] + ([ref_policy, reward_model] if args.shard_frozen_models else []):
             if model is not None:
                 shard(model)
-    model = PolicyAndValue(policy, value_model)
+    model = PolicyAndValue(policy, value_model, fused_head=policy_head is not None)
     if "RANK" in os.environ and not fsdp:  # DDP: whole models on every rank, gradients averaged by all-reduce
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
 
@@ -963,10 +1006,10 @@ def main(args: Args):
                 rows_i = slice(i, i + chunk)
                 width = P + lengths[rows_i].max().item()  # trim the chunk to its longest real sequence
                 ids, mask = query_responses[rows_i, :width], attention_mask[rows_i, :width]
-                ref_logprobs[rows_i, : width - P] = response_logprobs(ref_policy, ids, mask, P, args.temperature)[0]
+                ref_logprobs[rows_i, : width - P] = response_logprobs(ref_policy, ids, mask, P, args.temperature, ref_head)[0]
                 values[rows_i, : width - P] = state_values(value_model, ids, mask, P)
                 if low_dtype:  # recompute log π_old with the training forward: the first ratio is then exactly 1
-                    logprobs[rows_i, : width - P] = response_logprobs(policy, ids, mask, P, args.temperature)[0]
+                    logprobs[rows_i, : width - P] = response_logprobs(policy, ids, mask, P, args.temperature, policy_head)[0]
                 if reward_model is not None and reward_tokenizer is None:
                     token_scores = forward(reward_model, ids, mask, width - P)  # (b, L): score after each token
                     scores[rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)

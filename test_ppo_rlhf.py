@@ -179,6 +179,56 @@ def test_token_logprobs_keep_no_float32_copy_of_the_logits():
     assert big and all(t.dtype == torch.bfloat16 for t in big)  # only the input itself, no float32 (N, V) copy
 
 
+@pytest.mark.parametrize("bias,autocast", [(False, False), (True, False), (True, True)])
+def test_token_logprobs_from_hidden_states_match_the_full_logits(monkeypatch, bias, autocast):
+    monkeypatch.setattr(P, "logprobs_chunk_rows", lambda vocab_size: 4)  # several chunks, the last one partial
+    gen = torch.Generator().manual_seed(1)
+    head = torch.nn.Linear(8, 50, bias=bias)
+    hidden = torch.randn(3, 5, 8, generator=gen, requires_grad=True)
+    tokens, weights = torch.randint(0, 50, (3, 5), generator=gen), torch.randn(3, 5, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logprobs, entropy = P.token_logprobs(hidden, tokens, 0.8, head)
+    (logprobs * weights).sum().backward()
+    ref_hidden = hidden.detach().double().requires_grad_()
+    ref_head = torch.nn.Linear(8, 50, bias=bias).double()
+    ref_head.load_state_dict(head.state_dict())
+    z = ref_head(ref_hidden) / 0.8
+    ref = -F.cross_entropy(z.flatten(0, 1), tokens.flatten(), reduction="none").view(3, 5)
+    (ref * weights.double()).sum().backward()
+    tol = 5e-2 if autocast else 1e-5  # bf16 matmuls: ~3 significant digits
+    assert torch.allclose(logprobs.double(), ref, atol=tol)
+    assert torch.allclose(entropy.double(), -(z.softmax(-1) * z.log_softmax(-1)).sum(-1), atol=tol)
+    for param, ref_param in [(hidden, ref_hidden), (head.weight, ref_head.weight)] + [(head.bias, ref_head.bias)] * bias:
+        assert param.grad.dtype == torch.float32 and torch.allclose(param.grad.double(), ref_param.grad, atol=tol)
+    saved = []  # nothing of the size of the (N, V) logits is kept for backward (W is 8 x 50)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        P.token_logprobs(hidden, tokens, 0.8, head)
+    assert saved and max(t.numel() for t in saved) < 15 * 50
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_response_logprobs_through_the_output_layer_equal_the_models_logits(tiny, arch):
+    policy = loaded(tiny, arch)
+    head = P.output_layer(policy)
+    assert head is policy.get_output_embeddings()
+    ids, mask = P.left_pad([[5, 6, 7, 20, 21, 22], [8, 23, 24, 25], [9, 10, 11, 12, 26, 27]], pad_token_id=0)
+    full, full_entropy = P.response_logprobs(policy, ids, mask, ids.shape[1] - 3, 0.9)
+    full.sum().backward()
+    full_grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    fused, fused_entropy = P.response_logprobs(policy, ids, mask, ids.shape[1] - 3, 0.9, head)
+    fused.sum().backward()
+    assert torch.allclose(fused, full, atol=1e-5) and torch.allclose(fused_entropy, full_entropy, atol=1e-5)
+    assert all(torch.allclose(p.grad, g, atol=1e-5) for p, g in zip(policy.parameters(), full_grads))
+
+
+def test_output_layer_is_not_used_when_the_model_changes_its_logits(tmp_path):
+    from transformers import Gemma2Config
+    config = Gemma2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=8, final_logit_softcapping=2.0)  # tanh-capped logits
+    assert P.output_layer(AutoModelForCausalLM.from_config(config)) is None
+
+
 def test_first_true_index_and_response_lengths():
     bools = torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
     assert P.first_true_index(bools).tolist() == [1, 4, 0]
@@ -778,7 +828,7 @@ def one_update(tiny, batch, mode, gradient_accumulation_steps):
     policy, value_model = loaded(tiny, "gpt2"), loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")
     if mode == "fsdp":
         P.shard(policy), P.shard(value_model)
-    model = P.PolicyAndValue(policy, value_model)
+    model = P.PolicyAndValue(policy, value_model, fused_head=mode != "fsdp")  # as main() does
     if mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
