@@ -18,7 +18,8 @@ clip, the KL penalty to π_ref and target_kl early stopping keep π_θ close eno
 Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF), and Huang et al.
 2024 ("The N+ implementation details of RLHF with PPO"); flag and metric names follow TRL's PPOTrainer.
 Differs from TRL on purpose: the score lands on the last real response token (TRL: one past it), every
-forward gets position_ids, and sampling is a plain loop over softmax(z / T) (no generation_config surprises).
+forward gets position_ids, sampling is a plain loop over softmax(z / T) (no generation_config surprises), and the
+loss is the token mean over the whole minibatch on all devices (TRL: a mean of micro-batch means).
 """
 import copy
 import importlib
