@@ -207,9 +207,11 @@ def logprobs_chunk_rows(vocab_size):
     return max(1, 2**24 // vocab_size)
 
 
-def chunk_logits(x, weight, bias):
-    """One chunk's logits: x itself, or the output layer z = x·Wᵀ + b applied to hidden states x (N, H)."""
-    return x if weight is None else F.linear(x.to(weight.dtype), weight, bias)
+def chunk_logits(x, weight, bias, temperature):
+    """One chunk's z / T in a new float32 tensor: z is x itself, or the output layer z = x·Wᵀ + b applied to hidden
+    states x (N, H). The callers work on it in place, so each chunk costs one (chunk, V) float32 tensor."""
+    z = x.to(torch.float32, copy=True) if weight is None else F.linear(x.to(weight.dtype), weight, bias).float()
+    return z.div_(temperature)
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -227,10 +229,10 @@ class TokenLogprobs(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         entropy, logprobs = torch.empty_like(lse), torch.empty_like(lse)
         for s in range(0, n, chunk):
-            z = chunk_logits(x[s : s + chunk], weight, bias).float() / temperature
+            z = chunk_logits(x[s : s + chunk], weight, bias, temperature)
             lse[s : s + chunk] = z.logsumexp(-1)
             logprobs[s : s + chunk] = z.gather(-1, tokens[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
-            entropy[s : s + chunk] = lse[s : s + chunk] - ((z - lse[s : s + chunk, None]).exp_() * z).sum(-1)
+            entropy[s : s + chunk] = lse[s : s + chunk] - (z - lse[s : s + chunk, None]).exp_().mul_(z).sum(-1)
         ctx.save_for_backward(x, weight, bias, tokens, lse)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
@@ -245,13 +247,16 @@ class TokenLogprobs(torch.autograd.Function):
         chunk = logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
         for s in range(0, x.shape[0], chunk):
             g = grad_logprobs[s : s + chunk, None]
-            probs = (chunk_logits(x[s : s + chunk], weight, bias).float() / ctx.temperature - lse[s : s + chunk, None]).exp_()
-            grad_z = (-probs * g).scatter_add_(-1, tokens[s : s + chunk, None], g) / ctx.temperature  # (chunk, V)
+            probs = chunk_logits(x[s : s + chunk], weight, bias, ctx.temperature).sub_(lse[s : s + chunk, None]).exp_()
+            grad_z = probs.mul_(-g).scatter_add_(-1, tokens[s : s + chunk, None], g).div_(ctx.temperature)  # (chunk, V)
             if weight is None:
                 grad_x[s : s + chunk] = grad_z
                 continue
             grad_x[s : s + chunk] = grad_z.to(weight.dtype) @ weight
-            grad_w += (grad_z.to(weight.dtype).T @ x[s : s + chunk].to(weight.dtype)).float()
+            if weight.dtype == torch.float32:  # in place: no (V, H) temporary per chunk
+                grad_w.addmm_(grad_z.T, x[s : s + chunk].float())
+            else:
+                grad_w += (grad_z.to(weight.dtype).T @ x[s : s + chunk].to(weight.dtype)).float()
             if bias is not None:
                 grad_b += grad_z.sum(0)
         return grad_x, grad_w, grad_b, None, None
@@ -423,10 +428,12 @@ def output_layer(model):
 
 def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
     """log π(y_t|s_t) and entropy for every response position (B, R). Position P−1+t predicts response token t, so the
-    last token is never fed and only the R response positions get logits. head: output_layer(policy), or None."""
+    last token is never fed and only the R response positions get logits. head: output_layer(policy), or None.
+    With a head, logits larger than one chunk are never made (each chunk is computed again in backward: when they
+    fit in one chunk, making them is as cheap in memory and saves that recomputation)."""
     responses = query_responses[:, context_length:]
     ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
-    if head is None:
+    if head is None or responses.numel() <= logprobs_chunk_rows(head.out_features):  # fits one chunk: plain logits
         return token_logprobs(forward(policy, ids, mask, R), responses, temperature)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     hidden = getattr(policy, policy.base_model_prefix)(input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -912,7 +919,8 @@ def main(args: Args):
                 shard(model)
     model = PolicyAndValue(policy, value_model, fused_head=policy_head is not None)
     if "RANK" in os.environ and not fsdp:  # DDP: whole models on every rank, gradients averaged by all-reduce
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                                                          broadcast_buffers=False)  # buffers are constants: no sync per forward
 
     prompt_texts, prompt_ids, prompt_messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
     if not prompt_texts:
