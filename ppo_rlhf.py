@@ -21,6 +21,7 @@ Differs from TRL on purpose: the score lands on the last real response token (TR
 forward gets position_ids, sampling is a plain loop over softmax(z / T) (no generation_config surprises), and the
 loss is the token mean over the whole minibatch on all devices (TRL: a mean of micro-batch means).
 """
+import atexit
 import copy
 import importlib
 import importlib.util
@@ -68,7 +69,7 @@ class Args:
     save_every: int = 0
     """write a resumable checkpoint into output_dir every this many updates (0: only when stopped by a signal)"""
     save_total_limit: int = 2
-    """keep this many newest checkpoints"""
+    """keep this many newest checkpoints (0: keep all)"""
     resume: Optional[str] = None
     """`auto`: continue from the newest complete checkpoint in output_dir (or start if there is none); or a checkpoint"""
 
@@ -829,6 +830,16 @@ def main(args: Args):
     if args.temperature <= 0:
         fail(f"--temperature must be > 0, got {args.temperature}")
 
+    # --- the built-in task, written by each process into its own folder (before the process group exists: under
+    #     torchrun, save_pretrained writes on rank 0 only), loaded like any model, deleted when the process ends
+    model_path, dataset = args.model_name_or_path, args.dataset
+    if "builtin" in (model_path, dataset):
+        builtin_dir = tempfile.mkdtemp(prefix="ppo_rlhf_builtin_")
+        atexit.register(shutil.rmtree, builtin_dir, ignore_errors=True)
+        builtin_model, builtin_prompts = build_addition_task(builtin_dir, args.seed)
+        model_path = builtin_model if model_path == "builtin" else model_path
+        dataset = builtin_prompts if dataset == "builtin" else dataset
+
     # --- torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is one process and no process group
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -864,12 +875,6 @@ def main(args: Args):
     no_grad = torch.no_grad if fsdp else torch.inference_mode  # FSDP2 cannot reuse weights gathered in inference mode
 
     # --- models and data
-    model_path, dataset, builtin_dir = args.model_name_or_path, args.dataset, None
-    if "builtin" in (model_path, dataset):  # built by each process in its own folder, loaded, then deleted
-        builtin_dir = tempfile.mkdtemp(prefix="ppo_rlhf_builtin_")
-        builtin_model, builtin_prompts = build_addition_task(builtin_dir, args.seed)
-        model_path = builtin_model if model_path == "builtin" else model_path
-        dataset = builtin_prompts if dataset == "builtin" else dataset
     tokenizer = ensure_pad_token(load_tokenizer(model_path, "model_name_or_path", args))
     stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
         tokenizer.eos_token_id if args.stop_token == "eos" else None)
@@ -919,8 +924,7 @@ def main(args: Args):
                 shard(model)
     model = PolicyAndValue(policy, value_model, fused_head=policy_head is not None)
     if "RANK" in os.environ and not fsdp:  # DDP: whole models on every rank, gradients averaged by all-reduce
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None,
-                                                          broadcast_buffers=False)  # buffers are constants: no sync per forward
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
 
     prompt_texts, prompt_ids, prompt_messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
     if not prompt_texts:
@@ -933,8 +937,6 @@ def main(args: Args):
         fail(f"--dataset: prompt {longest} has {len(prompt_ids[longest])} tokens, which with --response_length "
              f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
 
-    if builtin_dir:
-        shutil.rmtree(builtin_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     # fp32 state; fused: 0.06 vs 0.40 s per step for 52M parameters on a 2-core CPU, timed alone
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-8, weight_decay=0.0,

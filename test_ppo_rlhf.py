@@ -758,6 +758,14 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode):
     assert [DETERMINISTIC_KEYS(m) for m in read_metrics(out)] == [DETERMINISTIC_KEYS(m) for m in metrics]
 
 
+@needs_gloo
+def test_torchrun_builtin_task(tmp_path):
+    out = str(tmp_path / "builtin")
+    result = torchrun("--distributed", "fsdp", "--output_dir", out, "--total_episodes", "768", "--num_sample_generations", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [m["episode"] for m in read_metrics(out)] == [256, 512, 768]  # 2 ranks x 128 prompts per update
+
+
 def init_gloo(rank, port):
     import datetime
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
