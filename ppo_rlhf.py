@@ -341,8 +341,9 @@ def explained_variance(predicted, target, mask):
 
 def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
     """This rank's prompts for update `update` (0-based): the update takes the next world_size x batch_size of an
-    endless stream of reshuffled passes over the data, and rank r the r-th slice of those (no prompt twice within an
-    update). A pure function of its arguments, so the position in the stream is just the update counter."""
+    endless stream of reshuffled passes over the data, and rank r the r-th slice of those (a prompt comes twice in
+    one update only if the data has fewer prompts than that). A pure function of its arguments, so the position in
+    the stream is just the update counter."""
     start = (update * world_size + rank) * batch_size
     passes = range(start // num_prompts, (start + batch_size - 1) // num_prompts + 1)
     seeds = [seed * 1_000_003 + p for p in passes]  # not seed + p: seed 2's first pass would be seed 1's second
@@ -461,16 +462,18 @@ class PolicyAndValue(torch.nn.Module):
         return logprobs, entropy, state_values(self.value_model, query_responses, attention_mask, context_length)
 
 
-def shard(model):
+def shard(model, frozen=False):
     """FSDP2: each decoder block is a unit whose weights are gathered only while it runs, the rest another unit. A
-    model with a `score` head gets its backbone and head as two roots, because forward() calls them one by one."""
+    model with a `score` head gets its backbone and head as two roots, because forward() calls them one by one.
+    A root keeps its gathered weights after forward for the backward that follows; a frozen model has no backward,
+    so its roots free them at once (else its embeddings and output layer would stay whole on every rank)."""
     from torch.distributed.fsdp import fully_shard
 
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or ()):
             fully_shard(module)
     for root in [getattr(model, model.base_model_prefix), model.score] if hasattr(model, "score") else [model]:
-        fully_shard(root)
+        fully_shard(root, reshard_after_forward=True if frozen else None)
 
 
 @contextmanager
@@ -672,7 +675,7 @@ def save_pretrained_atomic(model, state_dict, tokenizer, path):
 
 RUN_ONLY_FIELDS = {"output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
                    "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
-                   "dist_timeout_s"}  # fields a resumed run may change: none of them changes the numbers
+                   "dist_timeout_s"}  # fields a resumed run may change: none of them changes the algorithm
 
 
 def list_checkpoints(output_dir):
@@ -688,6 +691,7 @@ def save_checkpoint(output_dir, update, model, optimizer, lr_scheduler, scaler, 
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
     if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()  # wait for rank 0's write here, not in the next update's first collective
         return path
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -702,6 +706,8 @@ def save_checkpoint(output_dir, update, model, optimizer, lr_scheduler, scaler, 
     os.replace(tmp, path)
     for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
         shutil.rmtree(old)
+    if dist.is_initialized():
+        dist.barrier()
     return path
 
 
@@ -723,14 +729,18 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, world_si
     return state["update"]
 
 
-STOP_SIGNALS = []  # set by request_stop; main() checks it after every update
+STOP_SIGNALS = []  # (signal, time) appended by request_stop; main() checks it after every update
 
 
 def request_stop(signum, frame):
-    """SIGINT/SIGTERM: finish the current update, save a checkpoint, exit 0. A second signal exits at once."""
-    if STOP_SIGNALS:
+    """SIGINT/SIGTERM: finish the current update, save a checkpoint, exit 0. A second signal more than 1 s later exits
+    at once; within 1 s it is the same request delivered twice (Ctrl-C under torchrun reaches a rank from the
+    terminal and again from torchrun)."""
+    if STOP_SIGNALS and time.monotonic() - STOP_SIGNALS[0][1] > 1.0:
         os._exit(128 + signum)
-    STOP_SIGNALS.append(signum)
+    if STOP_SIGNALS:
+        return
+    STOP_SIGNALS.append((signum, time.monotonic()))
     print(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr, flush=True)
 
 
@@ -841,21 +851,23 @@ def main(args: Args):
         dataset = builtin_prompts if dataset == "builtin" else dataset
 
     # --- torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is one process and no process group
-    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    fsdp = "RANK" in os.environ and args.distributed == "fsdp"
-    if fsdp and args.dtype == "fp16":
-        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
     if "RANK" in os.environ and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.dist_timeout_s))
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    fsdp = distributed and args.distributed == "fsdp"
+    if fsdp and args.dtype == "fp16":
+        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
     global_batch_size = batch_size * world_size  # prompts per update over all ranks
     num_updates = args.total_episodes // global_batch_size
     if num_updates < 1:
         fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({global_batch_size} over all ranks)")
     output_dir = [args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
-    if dist.is_initialized():
+    if distributed:
         dist.broadcast_object_list(output_dir)  # rank 0's clock names the run
     output_dir = output_dir[0]
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
@@ -921,10 +933,13 @@ def main(args: Args):
     if fsdp:  # every rank keeps 1/world_size of these weights (and of their gradients and optimizer state)
         for model in [policy, value_model] + ([ref_policy, reward_model] if args.shard_frozen_models else []):
             if model is not None:
-                shard(model)
+                shard(model, frozen=model in (ref_policy, reward_model))
     model = PolicyAndValue(policy, value_model, fused_head=policy_head is not None)
-    if "RANK" in os.environ and not fsdp:  # DDP: whole models on every rank, gradients averaged by all-reduce
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    if distributed and not fsdp:  # DDP: whole models on every rank, gradients averaged by all-reduce
+        ddp = torch.nn.parallel.DistributedDataParallel
+        no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
+                          else "broadcast_buffers": False}  # buffers are constants: no collective per forward
+        model = ddp(model, device_ids=[local_rank] if device.type == "cuda" else None, **no_buffer_sync)
 
     prompt_texts, prompt_ids, prompt_messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
     if not prompt_texts:
@@ -952,7 +967,7 @@ def main(args: Args):
     if rank == 0:
         os.makedirs(output_dir, exist_ok=True)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
-    mode = f"{world_size} processes ({args.distributed}), " if "RANK" in os.environ else ""
+    mode = f"{world_size} processes ({args.distributed}), " if distributed else ""
     log(f"ppo_rlhf: {num_updates} updates of {global_batch_size} prompts ({mode}{batch_size} per device, "
         f"{args.num_mini_batches} minibatches of {mini_batch_size}, micro-batches of {micro_batch_size}), "
         f"{len(prompt_texts)} prompts, device {device}, {args.dtype}, output {output_dir}")
@@ -960,8 +975,11 @@ def main(args: Args):
     # --- resume: the newest checkpoint that loads; a damaged one is skipped with a warning, never half-loaded
     start_update = 0
     if args.resume:
-        candidates = list_checkpoints(output_dir)[::-1] if args.resume == "auto" and os.path.isdir(output_dir) else (
-            [] if args.resume == "auto" else [args.resume])
+        candidates = [list_checkpoints(output_dir)[::-1] if args.resume == "auto" and os.path.isdir(output_dir) else (
+            [] if args.resume == "auto" else [args.resume])]
+        if distributed:  # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
+            dist.broadcast_object_list(candidates)
+        candidates = candidates[0]
         for i, path in enumerate(candidates):
             try:
                 start_update = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, world_size)
@@ -973,6 +991,9 @@ def main(args: Args):
                 log(f"warning: skipping damaged checkpoint {path}: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         if not candidates and os.path.exists(metrics_path):
             fail(f"--resume auto: {output_dir!r} has metrics.jsonl but no checkpoint to resume from")
+        if all_ranks_sum(torch.tensor([start_update], device=device)).item() != start_update * world_size:
+            fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
+                 "is --output_dir on a filesystem every node sees?")
         if rank == 0 and os.path.exists(metrics_path):  # drop lines of updates after the checkpoint: no duplicate, no gap
             with open(metrics_path) as f:
                 kept = [line for line in f if line.strip() and json.loads(line)["update"] <= start_update]

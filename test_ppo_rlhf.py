@@ -704,6 +704,18 @@ def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig):
         assert wa[name].keys() == wb[name].keys() and all(torch.equal(wa[name][k], wb[name][k]) for k in wa[name])
 
 
+def test_a_signal_delivered_twice_is_one_stop_request_but_a_later_one_exits(monkeypatch):
+    monkeypatch.setattr(P, "STOP_SIGNALS", [])
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    P.request_stop(signal.SIGINT, None)
+    P.request_stop(signal.SIGINT, None)  # Ctrl-C under torchrun: from the terminal and again from torchrun
+    assert len(P.STOP_SIGNALS) == 1 and exits == []
+    P.STOP_SIGNALS[0] = (signal.SIGINT, time.monotonic() - 2)  # a second Ctrl-C 2 s later: leave now
+    P.request_stop(signal.SIGINT, None)
+    assert exits == [128 + signal.SIGINT]
+
+
 def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
     args = run_args(tiny, tmp_path, total_episodes=24, save_every=1)  # 3 updates; checkpoints 2 and 3 are kept
     P.main(args)
@@ -723,7 +735,7 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ torchrun: DDP and FSDP2
-# Two gloo processes on CPU. Collectives time out after 30-60 s, so a hang fails the test instead of stalling CI.
+# Two gloo processes on CPU. Collectives time out after 60 s, so a hang fails the test instead of stalling CI.
 needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
 
@@ -769,7 +781,7 @@ def test_torchrun_builtin_task(tmp_path):
 def init_gloo(rank, port):
     import datetime
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                         timeout=datetime.timedelta(seconds=30))
+                                         timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
 
 
@@ -851,9 +863,10 @@ def one_update(tiny, batch, mode, gradient_accumulation_steps):
 
 def update_worker(rank, port, tiny, batch_file, mode, out_file):
     init_gloo(rank, port)
+    P.logprobs_chunk_rows = lambda vocab_size: 4  # log-probs from the hidden states in chunks (not under FSDP)
     batch = torch.load(batch_file)
     half = {k: v if k == "context_length" else v[rank * 4 : rank * 4 + 4] for k, v in batch.items()}
-    weights = one_update(tiny, half, mode, gradient_accumulation_steps=1)
+    weights = one_update(tiny, half, mode, gradient_accumulation_steps=2)  # 2 micro-batches of 2 per rank
     if rank == 0:
         torch.save(weights, out_file)
     torch.distributed.destroy_process_group()
@@ -867,12 +880,35 @@ def test_two_ranks_with_half_the_batch_make_the_same_update_as_one_rank(tiny, tm
     torch.save(batch, tmp_path / "batch.pt")
     spawn_2(update_worker, tiny, str(tmp_path / "batch.pt"), mode, str(tmp_path / "weights.pt"))
     two_ranks = torch.load(tmp_path / "weights.pt")
-    one_rank = one_update(tiny, batch, "none", gradient_accumulation_steps=2)  # 2 micro-batches of 4
+    one_rank = one_update(tiny, batch, "none", gradient_accumulation_steps=1)  # the full logits, 1 micro-batch of 8
     initial = P.full_state_dict(P.PolicyAndValue(loaded(tiny, "gpt2"), loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")))
     assert two_ranks.keys() == one_rank.keys()
     assert sum(not torch.equal(one_rank[k], initial[k]) for k in one_rank) > len(one_rank) // 2  # it did train
     for k in one_rank:
         assert torch.allclose(two_ranks[k], one_rank[k], atol=2e-6), k
+
+
+def frozen_worker(rank, port, tiny, out_file):
+    init_gloo(rank, port)
+    ref_policy = loaded(tiny, "gpt2")
+    P.shard(ref_policy, frozen=True)
+    ids, mask = P.left_pad([[5, 6, 7, 8], [9, 10]], pad_token_id=0)
+    with torch.no_grad():
+        logprobs = P.response_logprobs(ref_policy, ids, mask, 2, 1.0)[0]
+    kinds = {type(p).__name__ for p in ref_policy.parameters()}  # a DTensor is a shard; a plain tensor is whole
+    torch.save((logprobs, kinds), f"{out_file}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+@needs_gloo
+def test_a_sharded_frozen_model_stays_sharded_after_its_forward(tiny, tmp_path):
+    spawn_2(frozen_worker, tiny, str(tmp_path / "out"))
+    ids, mask = P.left_pad([[5, 6, 7, 8], [9, 10]], pad_token_id=0)
+    with torch.no_grad():
+        expected = P.response_logprobs(loaded(tiny, "gpt2"), ids, mask, 2, 1.0)[0]
+    for rank in range(2):
+        logprobs, kinds = torch.load(tmp_path / f"out.{rank}")
+        assert kinds == {"DTensor"} and torch.allclose(logprobs, expected, atol=1e-5)
 
 
 def generate_worker(rank, port, tiny, unshard, out_file):
@@ -895,9 +931,7 @@ def generate_worker(rank, port, tiny, unshard, out_file):
 @needs_gloo
 @pytest.mark.parametrize("unshard", [True, False])
 def test_fsdp_ranks_that_stop_at_different_lengths_do_not_hang(tiny, tmp_path, unshard):
-    start = time.time()
-    spawn_2(generate_worker, tiny, unshard, str(tmp_path / "out"))
-    assert time.time() - start < 30  # well inside the 30 s collective timeout
+    spawn_2(generate_worker, tiny, unshard, str(tmp_path / "out"))  # a hang would end in the collective timeout
     for rank in range(2):
         (ref_tokens, ref_logprobs), (tokens, logprobs) = torch.load(tmp_path / f"out.{rank}")
         assert ref_tokens.shape[1] == (1 if rank == 0 else 8)
