@@ -716,6 +716,8 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, world_si
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
+    if "model" not in state:
+        raise RuntimeError("written by an older ppo_rlhf.py (weights in .safetensors files next to state.pt)")
     changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS and state["config"].get(k) != v]
     if changed:
         fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
