@@ -402,16 +402,23 @@ def fit_tokenizer(model, tokenizer):
     model.config.pad_token_id = tokenizer.pad_token_id
 
 
+def forward_kwargs(input_ids, attention_mask):
+    """position_ids count real tokens only, so left padding changes nothing (GPT-2 is off by ~0.5 nats without)."""
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+
+
+def last_hidden(model, input_ids, attention_mask, keep):
+    """The backbone's last hidden states (B, keep, H) at the last `keep` positions of a padded batch (B, S)."""
+    return getattr(model, model.base_model_prefix)(**forward_kwargs(input_ids, attention_mask)).last_hidden_state[:, -keep:]
+
+
 def forward(model, input_ids, attention_mask, keep):
     """One forward over a padded batch (B, S) -> the last `keep` positions: logits (B, keep, V) of a causal LM, or
-    the per-token scalar (B, keep) of a sequence classifier's `score` head (value and reward models).
-    position_ids count real tokens only, so left padding changes nothing (GPT-2 is off by ~0.5 nats without)."""
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+    the per-token scalar (B, keep) of a sequence classifier's `score` head (value and reward models)."""
     if hasattr(model, "score"):
-        hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state[:, -keep:]
-        return model.score(hidden).squeeze(-1).float()
-    return model(**kwargs, logits_to_keep=keep).logits
+        return model.score(last_hidden(model, input_ids, attention_mask, keep)).squeeze(-1).float()
+    return model(**forward_kwargs(input_ids, attention_mask), logits_to_keep=keep).logits
 
 
 def output_layer(model):
@@ -422,9 +429,9 @@ def output_layer(model):
     if not isinstance(head, torch.nn.Linear):
         return None
     ids = torch.arange(1, 5, device=head.weight.device)[None] % head.out_features
+    mask = torch.ones_like(ids, dtype=torch.bool)
     with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
-        logits = model(input_ids=ids, use_cache=False).logits
-        hidden = getattr(model, model.base_model_prefix)(input_ids=ids, use_cache=False).last_hidden_state
+        logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
         return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
 
 
@@ -437,10 +444,7 @@ def response_logprobs(policy, query_responses, attention_mask, context_length, t
     ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
     if head is None or responses.numel() <= logprobs_chunk_rows(head.out_features):  # fits one chunk: plain logits
         return token_logprobs(forward(policy, ids, mask, R), responses, temperature)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = getattr(policy, policy.base_model_prefix)(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                                       use_cache=False).last_hidden_state[:, -R:]
-    return token_logprobs(hidden, responses, temperature, head)
+    return token_logprobs(last_hidden(policy, ids, mask, R), responses, temperature, head)
 
 
 def state_values(value_model, query_responses, attention_mask, context_length):
@@ -690,24 +694,22 @@ def save_checkpoint(output_dir, update, model, optimizer, lr_scheduler, scaler, 
     folder, flushes it and renames it: a checkpoint-N folder is always complete. Keeps the newest save_total_limit."""
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()  # wait for rank 0's write here, not in the next update's first collective
-        return path
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    state = dict(update=update, model=weights, optimizer=optimizer_state, lr_scheduler=lr_scheduler.state_dict(),
-                 scaler=scaler.state_dict(), world_size=world_size,
-                 config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS})
-    torch.save(state, os.path.join(tmp, "state.pt"))
-    with open(os.path.join(tmp, "state.pt"), "rb") as f:
-        os.fsync(f.fileno())
-    shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same update, skipped on resume
-    os.replace(tmp, path)
-    for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
-        shutil.rmtree(old)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        state = dict(update=update, model=weights, optimizer=optimizer_state, lr_scheduler=lr_scheduler.state_dict(),
+                     scaler=scaler.state_dict(), world_size=world_size,
+                     config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS})
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        with open(os.path.join(tmp, "state.pt"), "rb") as f:
+            os.fsync(f.fileno())
+        shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same update, skipped on resume
+        os.replace(tmp, path)
+        for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
+            shutil.rmtree(old)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier()  # the other ranks wait for the write here, not in the next update's first collective
     return path
 
 
