@@ -20,6 +20,12 @@ Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020
 Differs from TRL on purpose: the score lands on the last real response token (TRL: one past it), every
 forward gets position_ids, sampling is a plain loop over softmax(z / T) (no generation_config surprises), and the
 loss is the token mean over the whole minibatch on all devices (TRL: a mean of micro-batch means).
+
+Sections. The algorithm, top to bottom (a first reading can stop after main):
+    options (Args, check_args) · math (pure) · π and V on padded batches · rollout and scoring · the PPO update · main
+Then what it loads: models, data and rewards (the built-in task). Then the systems, each skippable on a first
+reading: distributed (torchrun, DDP, FSDP2, statistics over ranks) · memory-efficient log-probs · checkpoints,
+resume and signals · logging.
 """
 import atexit
 import copy
@@ -38,8 +44,9 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Literal, Optional
 
 import torch
@@ -51,6 +58,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from transformers import DynamicCache
 
 
+# ------------------------------------------------------------------------------------------ options
 @dataclass
 class Args:
     # --- experiment
@@ -71,7 +79,8 @@ class Args:
     save_total_limit: int = 2
     """keep this many newest checkpoints (0: keep all)"""
     resume: Optional[str] = None
-    """`auto`: continue from the newest complete checkpoint in output_dir (or start if there is none); or a checkpoint"""
+    """`auto`: continue from the newest complete checkpoint in output_dir (or start if there is none); or a
+    checkpoint folder"""
 
     # --- models and data
     model_name_or_path: str = "builtin"
@@ -82,8 +91,9 @@ class Args:
     """value model init; default: the reward model if it shares the policy's vocabulary, else the policy (new head)"""
     reward_model_path: Optional[str] = None
     """reward model (sequence classifier, 1 label); if given it is used instead of --reward_fn"""
-    reward_fn: Optional[str] = "ppo_rlhf:addition_reward"
-    """`module:function` or `file.py:function` mapping (prompts, completions) to a list of floats"""
+    reward_fn: Optional[str] = None
+    """`module:function` or `file.py:function` mapping (prompts, completions) to a list of floats; default with
+    --dataset builtin: the built-in task's addition_reward"""
     dataset: str = "builtin"
     """prompts: a .txt (one per line), a .jsonl (`prompt`, or chat `messages`), or a hub dataset (needs `datasets`)"""
     dataset_train_split: str = "train"
@@ -162,16 +172,56 @@ class Args:
     """seconds a collective waits for the other ranks before the run fails (a hang then ends instead of stalling)"""
 
 
+# Every field is one of two kinds. Run-only fields change how a run is launched, stored or watched, never a number it
+# computes: a resumed run may change them. All the others are algorithmic: a checkpoint keeps them, and resuming with
+# another value is refused (a field the checkpoint predates counts as having had its default).
+RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
+                   "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
+                   "dist_timeout_s"}
+
+
 def fail(message):
     """Bad input ends the run with one line naming the flag to fix (no traceback); nothing written is touched."""
     raise SystemExit(f"error: {message}")
 
 
+def check_args(args):
+    """Every check that needs only the flags (and torchrun's WORLD_SIZE), before anything is loaded or started.
+    -> the derived sizes. Per rank (`local_`): the rollout batch of local_batch_size prompts is split into
+    num_mini_batches minibatches (one optimizer step each) of gradient_accumulation_steps micro-batches."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    if min(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches) < 1:
+        fail("--per_device_train_batch_size, --gradient_accumulation_steps and --num_mini_batches must be >= 1")
+    if local_batch_size % args.num_mini_batches:
+        fail(f"rollout batch {local_batch_size} (--per_device_train_batch_size x --gradient_accumulation_steps) "
+             f"is not divisible by --num_mini_batches {args.num_mini_batches}")
+    local_mini_batch_size = local_batch_size // args.num_mini_batches
+    if local_mini_batch_size % args.gradient_accumulation_steps:
+        fail(f"minibatch {local_mini_batch_size} is not divisible by --gradient_accumulation_steps "
+             f"{args.gradient_accumulation_steps}")
+    for flag, value in [("num_ppo_epochs", args.num_ppo_epochs), ("response_length", args.response_length)]:
+        if value < 1:
+            fail(f"--{flag} must be >= 1, got {value}")
+    if args.temperature <= 0:
+        fail(f"--temperature must be > 0, got {args.temperature}")
+    batch_size = local_batch_size * world_size  # prompts per update over all ranks
+    if args.total_episodes < batch_size:
+        fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size} over all ranks)")
+    if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
+        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
+    if args.reward_model_path is None and args.reward_fn is None and args.dataset != "builtin":
+        fail("no reward for these prompts: give --reward_model_path or --reward_fn")
+    return SimpleNamespace(world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
+                           local_mini_batch_size=local_mini_batch_size,
+                           micro_batch_size=local_mini_batch_size // args.gradient_accumulation_steps,
+                           num_updates=args.total_episodes // batch_size)
+
+
 # ------------------------------------------------------------------------------------------ math (pure)
-def masked_mean(x, mask, dim=None):
+def masked_mean(x, mask):
     """Σ x·m / Σ m over the real (mask=True) entries."""
-    x = torch.where(mask, x, 0.0)
-    return x.sum() / mask.sum() if dim is None else x.sum(dim) / mask.sum(dim)
+    return torch.where(mask, x, 0.0).sum() / mask.sum()
 
 
 def masked_var(x, mask):
@@ -181,94 +231,16 @@ def masked_var(x, mask):
     return masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0, not NaN, for a single entry
 
 
-def all_ranks_sum(x):
-    """Σ of x over all ranks under torchrun (in place); x itself in a single process."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(x)
-    return x
-
-
-def batch_mean_var(x, mask):
-    """Mean and unbiased variance of the real entries of the whole batch: over all ranks under torchrun, so each
-    rank gets what one process holding the concatenated batch would. Two passes (Σx, then Σ(x − μ)²) for accuracy."""
-    n, total = all_ranks_sum(torch.stack([mask.sum().to(x.dtype), torch.where(mask, x, 0.0).sum()]))
-    mean = total / n
-    return mean, all_ranks_sum(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
-
-
-def masked_whiten(x, mask, shift_mean=True):
-    """(x − μ) / σ with μ, σ² of the batch's real entries; shift_mean=False keeps μ (scales only)."""
-    mean, var = batch_mean_var(x, mask)
+def masked_whiten(x, mask, mean, var, shift_mean=True):
+    """(x − μ) / σ on the real entries, 0 elsewhere; shift_mean=False keeps μ (scales only). μ and σ² are the caller's:
+    under torchrun, those of the global batch (global_mean_var), so that every rank whitens alike."""
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
-    return whitened if shift_mean else whitened + mean
+    return torch.where(mask, whitened if shift_mean else whitened + mean, 0.0)
 
 
-def logprobs_chunk_rows(vocab_size):
-    """Rows per chunk so that one float32 chunk of logits is about 64 MiB."""
-    return max(1, 2**24 // vocab_size)
-
-
-def chunk_logits(x, weight, bias, temperature):
-    """One chunk's z / T in a new float32 tensor: z is x itself, or the output layer z = x·Wᵀ + b applied to hidden
-    states x (N, H). The callers work on it in place, so each chunk costs one (chunk, V) float32 tensor."""
-    z = x.to(torch.float32, copy=True) if weight is None else F.linear(x.to(weight.dtype), weight, bias).float()
-    return z.div_(temperature)
-
-
-class TokenLogprobs(torch.autograd.Function):
-    """log π(a) = z_a/T − logsumexp(z/T) and the entropy H = logsumexp(z/T) − Σ_v π_v·z_v/T in float32, one chunk of
-    rows at a time. z comes as logits x (N, V), or is computed chunk by chunk from hidden states x (N, H) and the
-    output layer (W, b): then no (N, V) tensor ever exists whole, and backward computes each chunk's z once more.
-    Backward: ∂ log π(a) / ∂z = (onehot(a) − π) / T;  then ∂x = ∂z·W,  ∂W = Σ_chunks ∂zᵀ·x,  ∂b = Σ_rows ∂z."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, tokens, temperature):  # x (N, V) or (N, H), weight (V, H) or None, tokens (N,)
-        if weight is not None and torch.is_autocast_enabled(x.device.type):  # the matmul in autocast's dtype
-            dtype = torch.get_autocast_dtype(x.device.type)
-            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        n, chunk = x.shape[0], logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
-        lse = torch.empty(n, dtype=torch.float32, device=x.device)
-        entropy, logprobs = torch.empty_like(lse), torch.empty_like(lse)
-        for s in range(0, n, chunk):
-            z = chunk_logits(x[s : s + chunk], weight, bias, temperature)
-            lse[s : s + chunk] = z.logsumexp(-1)
-            logprobs[s : s + chunk] = z.gather(-1, tokens[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
-            entropy[s : s + chunk] = lse[s : s + chunk] - (z - lse[s : s + chunk, None]).exp_().mul_(z).sum(-1)
-        ctx.save_for_backward(x, weight, bias, tokens, lse)
-        ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, _):
-        x, weight, bias, tokens, lse = ctx.saved_tensors
-        grad_x = torch.empty_like(x)
-        grad_w = None if weight is None else torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=x.device)
-        chunk = logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
-        for s in range(0, x.shape[0], chunk):
-            g = grad_logprobs[s : s + chunk, None]
-            probs = chunk_logits(x[s : s + chunk], weight, bias, ctx.temperature).sub_(lse[s : s + chunk, None]).exp_()
-            grad_z = probs.mul_(-g).scatter_add_(-1, tokens[s : s + chunk, None], g).div_(ctx.temperature)  # (chunk, V)
-            if weight is None:
-                grad_x[s : s + chunk] = grad_z
-                continue
-            grad_x[s : s + chunk] = grad_z.to(weight.dtype) @ weight
-            if weight.dtype == torch.float32:  # in place: no (V, H) temporary per chunk
-                grad_w.addmm_(grad_z.T, x[s : s + chunk].float())
-            else:
-                grad_w += (grad_z.to(weight.dtype).T @ x[s : s + chunk].to(weight.dtype)).float()
-            if bias is not None:
-                grad_b += grad_z.sum(0)
-        return grad_x, grad_w, grad_b, None, None
-
-
-def token_logprobs(x, tokens, temperature=1.0, head=None):
-    """(B, T, V) logits, or (B, T, H) hidden states and the output layer `head` (an nn.Linear), and (B, T) tokens
-    -> log π(token) (B, T) and entropy (B, T), both float32."""
-    weight, bias = (None, None) if head is None else (head.weight, head.bias)
-    logprobs, entropy = TokenLogprobs.apply(x.flatten(0, 1), weight, bias, tokens.flatten(), temperature)
-    return logprobs.view(tokens.shape), entropy.view(tokens.shape)
+def explained_variance(residual_var, returns_var):
+    """1 − Var[R − V] / Var[R]: 1 is a perfect value function, 0 no better than a constant."""
+    return 1 - residual_var / returns_var
 
 
 def first_true_index(bools):
@@ -284,7 +256,7 @@ def response_lengths(responses, stop_token_id):
     return (first_true_index(responses == stop_token_id) + 1).clamp(max=responses.shape[1])
 
 
-def kl_penalty(logprobs, ref_logprobs, kl_estimator):
+def kl_estimate(logprobs, ref_logprobs, kl_estimator):
     """Per-token estimate of KL(π_old‖π_ref) from tokens sampled by π_old: k1 = −log ρ, k3 = ρ − 1 − log ρ,
     with ρ = π_ref/π_old (Schulman 2020, "Approximating KL divergence")."""
     log_ratio = ref_logprobs - logprobs
@@ -334,9 +306,435 @@ def value_loss(values, old_values, returns, mask, cliprange_value):
     return loss, masked_mean((clipped_loss > unclipped_loss).to(loss.dtype), mask)
 
 
-def explained_variance(predicted, target, mask):
-    """1 − Var[target − predicted] / Var[target]: 1 is a perfect value function, 0 no better than a constant."""
-    return 1 - batch_mean_var(target - predicted, mask)[1] / batch_mean_var(target, mask)[1]
+# ------------------------------------------------------------------------------------------ π and V on padded batches
+def forward_kwargs(input_ids, attention_mask):
+    """position_ids count real tokens only, so left padding changes nothing (GPT-2 is off by ~0.5 nats without)."""
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+
+
+def last_hidden(model, input_ids, attention_mask, keep):
+    """The backbone's last hidden states (B, keep, H) at the last `keep` positions of a padded batch (B, S)."""
+    backbone = getattr(model, model.base_model_prefix)
+    return backbone(**forward_kwargs(input_ids, attention_mask)).last_hidden_state[:, -keep:]
+
+
+def forward(model, input_ids, attention_mask, keep):
+    """One forward over a padded batch (B, S) -> the last `keep` positions: logits (B, keep, V) of a causal LM, or
+    the per-token scalar (B, keep) of a sequence classifier's `score` head (value and reward models)."""
+    if hasattr(model, "score"):
+        return model.score(last_hidden(model, input_ids, attention_mask, keep)).squeeze(-1).float()
+    return model(**forward_kwargs(input_ids, attention_mask), logits_to_keep=keep).logits
+
+
+def token_logprobs(x, tokens, temperature=1.0, head=None):
+    """(B, T, V) logits, or (B, T, H) hidden states and the output layer `head` (an nn.Linear), and (B, T) tokens
+    -> log π(token) = z_a/T − logsumexp(z/T) and entropy H = −Σ_v π_v·log π_v, both (B, T), float32 and
+    differentiable. Computed chunk by chunk by TokenLogprobs (memory-efficient log-probs, below)."""
+    weight, bias = (None, None) if head is None else (head.weight, head.bias)
+    logprobs, entropy = TokenLogprobs.apply(x.flatten(0, 1), weight, bias, tokens.flatten(), temperature)
+    return logprobs.view(tokens.shape), entropy.view(tokens.shape)
+
+
+def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
+    """log π(y_t|s_t) and entropy for every response position (B, R). Position context_length−1+t predicts response
+    token t, so the last token is never fed and only the R response positions get logits. head: output_layer(policy)
+    or None; with it, logits larger than one chunk are never made whole (when they fit in one chunk, making them is
+    as cheap in memory and saves the recomputation in backward)."""
+    responses = query_responses[:, context_length:]
+    ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
+    if head is None or responses.numel() <= logprobs_chunk_rows(head.out_features):  # fits one chunk: plain logits
+        return token_logprobs(forward(policy, ids, mask, R), responses, temperature)
+    return token_logprobs(last_hidden(policy, ids, mask, R), responses, temperature, head)
+
+
+def state_values(value_model, query_responses, attention_mask, context_length):
+    """V(s_t) for every response position (B, R), read at the token before y_t."""
+    R = query_responses.shape[1] - context_length
+    return forward(value_model, query_responses[:, :-1], attention_mask[:, :-1], R)
+
+
+class PolicyAndValue(torch.nn.Module):
+    """The two trained models as one module: DDP then averages all their gradients in one pass of buckets."""
+
+    def __init__(self, policy, value_model, fused_head=False):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+        self.fused_head = fused_head  # output_layer(policy) is not None: log-probs from the hidden states
+
+    def forward(self, query_responses, attention_mask, context_length, temperature):
+        """-> log π_θ(y_t|s_t), entropy and V(s_t), each (B, R)."""
+        head = self.policy.get_output_embeddings() if self.fused_head else None
+        logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length,
+                                              temperature, head)
+        return logprobs, entropy, state_values(self.value_model, query_responses, attention_mask, context_length)
+
+
+# ------------------------------------------------------------------------------------------ rollout and scoring
+def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_id, pad_token_id, sync_ranks=False):
+    """Sample y_t ~ softmax(z_t / T) token by token with a KV cache: exactly the policy we train (no top-k/top-p).
+    Returns responses (B, L) and log π_old(y_t|s_t) (B, L); after a row's stop token come pad ids and log-prob 0.
+    L < max_new_tokens when every row stopped early. sync_ranks: a sharded policy's forward is a collective, so
+    every rank keeps stepping until all ranks are done. Call under torch.no_grad() or inference_mode()."""
+    cache_kw = "cache" if "cache" in inspect.signature(policy.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=policy.config)
+    ids, mask = queries, query_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    tokens, logprobs = [], []
+    for _ in range(max_new_tokens):
+        out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                     **{cache_kw: cache})
+        logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V)
+        token = torch.multinomial(logp.exp(), 1).squeeze(1).masked_fill(done, pad_token_id)
+        tokens.append(token)
+        logprobs.append(logp.gather(1, token[:, None]).squeeze(1).masked_fill(done, 0.0))
+        if stop_token_id is not None:
+            done |= token == stop_token_id
+        if (all_ranks_sum((~done).sum()[None]) if sync_ranks else (~done).sum()) == 0:
+            break
+        ids, positions = token[:, None], positions[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1)
+
+
+def rollout(models, queries, query_mask, args, rt):
+    """Phase 1: sample a response to each query (B, P) with the current policy π_old, local_rollout_forward_batch_size
+    rows at a time, keeping log π_old of each sampled token. -> the batch: query_responses (B, P + R),
+    attention_mask, response_mask (B, R; True = real token, the stop token included), lengths (B,), contains_eos
+    (B,), logprobs (B, R; 0 on padding) and context_length P, where every response starts."""
+    chunk, pad, stop = args.local_rollout_forward_batch_size, models.tokenizer.pad_token_id, models.stop_token_id
+    with rt.no_grad(), rt.autocast(), gathered(models.policy, rt.fsdp and args.rollout_unshard):
+        generated = [generate(models.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
+                              args.temperature, stop, pad, sync_ranks=rt.fsdp and not args.rollout_unshard)
+                     for i in range(0, len(queries), chunk)]
+    R = max(r.shape[1] for r, _ in generated)
+    responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad) for r, _ in generated])
+    lengths = response_lengths(responses, stop)
+    response_mask = torch.arange(R, device=responses.device) < lengths[:, None]
+    return dict(query_responses=torch.cat([queries, responses], 1),
+                attention_mask=torch.cat([query_mask, response_mask], 1), response_mask=response_mask,
+                lengths=lengths, contains_eos=((responses == models.tokenizer.eos_token_id) & response_mask).any(1),
+                logprobs=torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated]),
+                context_length=queries.shape[1])
+
+
+def score(models, batch, prompts, rows, args, rt):
+    """Phase 2: one no-grad forward of each frozen model over prompt + response, local_rollout_forward_batch_size
+    rows at a time, each chunk cut to its longest real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on
+    padding), the decoded completions, and raw_scores (B,): the reward model's at the last real token (or of the
+    re-tokenized text, for a reward model with its own tokenizer), or the reward function's. With bf16/fp16 autocast,
+    batch["logprobs"] is recomputed by the training forward, so that the first ratio ρ is exactly 1."""
+    chunk, P, lengths = args.local_rollout_forward_batch_size, batch["context_length"], batch["lengths"]
+    mask = batch["response_mask"]
+    ref_logprobs, values, raw_scores = torch.zeros(mask.shape), torch.zeros(mask.shape), torch.zeros(len(mask))
+    ref_logprobs, values, raw_scores = ref_logprobs.to(rt.device), values.to(rt.device), raw_scores.to(rt.device)
+    with rt.no_grad(), rt.autocast():
+        for i in range(0, len(mask), chunk):
+            rows_i, width = slice(i, i + chunk), P + lengths[i : i + chunk].max().item()  # trimmed to real tokens
+            ids, ids_mask = batch["query_responses"][rows_i, :width], batch["attention_mask"][rows_i, :width]
+            ref_logprobs[rows_i, : width - P] = response_logprobs(models.ref_policy, ids, ids_mask, P,
+                                                                  args.temperature, models.ref_head)[0]
+            values[rows_i, : width - P] = state_values(models.value_model, ids, ids_mask, P)
+            if rt.low_dtype:
+                batch["logprobs"][rows_i, : width - P] = response_logprobs(models.policy, ids, ids_mask, P,
+                                                                           args.temperature, models.policy_head)[0]
+            if models.reward_model is not None and models.reward_tokenizer is None:  # score after each token (b, L)
+                token_scores = forward(models.reward_model, ids, ids_mask, width - P)
+                raw_scores[rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
+    responses = batch["query_responses"][:, P:].tolist()
+    completions = models.tokenizer.batch_decode([r[:n] for r, n in zip(responses, lengths.tolist())],
+                                                skip_special_tokens=True)
+    if models.reward_tokenizer is not None:  # the reward model reads the text with its own tokenizer
+        with rt.no_grad(), rt.autocast():
+            raw_scores = torch.cat([score_texts(models.reward_model, models.reward_tokenizer, texts, add_special_tokens)
+                                    for texts, add_special_tokens in reward_texts(prompts, rows, completions, chunk,
+                                                                                  models.reward_tokenizer)])
+    elif models.reward_fn is not None:
+        raw_scores = check_scores(models.reward_fn([prompts.texts[r] for r in rows], completions), len(mask),
+                                  f"--reward_fn {args.reward_fn or 'addition_reward'}").to(rt.device)
+    return dict(logprobs=batch["logprobs"].masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
+                values=values, completions=completions, raw_scores=raw_scores)
+
+
+def reward_texts(prompts, rows, completions, chunk, reward_tokenizer):
+    """Prompt + completion as text for a reward model with its own tokenizer, in chunks: chat prompts through its
+    chat template (if it has one). -> (texts, add_special_tokens) per chunk."""
+    texts = [reward_tokenizer.apply_chat_template(prompts.messages[r] + [{"role": "assistant", "content": c}],
+                                                  tokenize=False)
+             if prompts.messages[r] is not None and reward_tokenizer.chat_template else prompts.texts[r] + c
+             for r, c in zip(rows, completions)]
+    return [(texts[i : i + chunk], prompts.messages[rows[i]] is None) for i in range(0, len(texts), chunk)]
+
+
+def score_texts(reward_model, reward_tokenizer, texts, add_special_tokens):
+    """Scores of a reward model with its own tokenizer, on the decoded text (B,). A decoder's `score` head is read at
+    the last real token; an encoder classifier pools by itself."""
+    device = next(reward_model.parameters()).device
+    enc = reward_tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=add_special_tokens).to(device)
+    mask = enc["attention_mask"].bool()
+    if not hasattr(reward_model, "score"):
+        return reward_model(**enc).logits[:, 0].float()
+    last = (mask * torch.arange(mask.shape[1], device=device)).argmax(1, keepdim=True)
+    return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
+
+
+# ------------------------------------------------------------------------------------------ the PPO update
+def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
+    """Phase 5: num_ppo_epochs passes over this rank's rollout batch in shuffled minibatches, one optimizer step
+    each; a minibatch is gradient_accumulation_steps micro-batches. model: PolicyAndValue, bare or wrapped in DDP, or
+    with FSDP2-sharded parts. The loss is the mean over the real tokens of the whole minibatch, on all ranks together:
+    a micro-batch's token mean is weighted by its share of those tokens (times the number of ranks, as DDP and FSDP
+    average the ranks' gradients). -> stats (lists per micro-batch), stop reason, optimizer steps, tokens trained."""
+    lengths, P = batch["lengths"], batch["context_length"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
+    for epoch in range(args.num_ppo_epochs):
+        for mb_rows in torch.randperm(len(lengths), device=lengths.device).split(sizes.local_mini_batch_size):
+            mb_tokens = all_ranks_sum(lengths[mb_rows].sum().float())  # real response tokens of the global minibatch
+            mb_approxkl, non_finite = [], torch.zeros((), device=lengths.device)
+            micro_batches = mb_rows.split(sizes.micro_batch_size)
+            for i, rows in enumerate(micro_batches):
+                L = lengths[rows].max().item()  # pay only for real tokens
+                mb = {k: batch[k][rows, :L] for k in ("response_mask", "logprobs", "values", "advantages", "returns")}
+                with gradient_sync(model, i == len(micro_batches) - 1):  # only after the minibatch's last
+                    with rt.autocast():
+                        new_logprobs, entropy, new_values = model(batch["query_responses"][rows, : P + L],
+                                                                  batch["attention_mask"][rows, : P + L], P,
+                                                                  args.temperature)
+                    pg_loss, pg_clipfrac, approxkl = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"],
+                                                                 mb["response_mask"], args.cliprange)
+                    vf_loss, vf_clipfrac = value_loss(new_values.float(), mb["values"], mb["returns"],
+                                                      mb["response_mask"], args.cliprange_value)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    non_finite += ~torch.isfinite(loss)  # decided for all ranks together below: one rank alone would hang
+                    scaler.scale(loss * (mb["response_mask"].sum() * rt.world_size / mb_tokens)).backward()
+                update_stats(stats, mb, new_logprobs, entropy, args.cliprange, pg_loss, pg_clipfrac, approxkl, vf_loss,
+                             vf_clipfrac)
+                mb_approxkl.append(approxkl.detach())
+                train_tokens += batch["attention_mask"][rows, : P + L].sum().item()
+            # early stop and the non-finite vote use every rank's numbers, so that all ranks take the same path
+            approxkl_sum, non_finite = all_ranks_sum(torch.stack([torch.stack(mb_approxkl).mean(), non_finite]))
+            grad_norm = None if non_finite else optimizer_step(optimizer, scaler, params, args.max_grad_norm)
+            if grad_norm is None:
+                stop_reason = "non-finite loss" if non_finite else "non-finite gradient"
+                break
+            if torch.isfinite(grad_norm):  # fp16: GradScaler skipped a step with inf gradients and lowered its scale
+                stats["policy/grad_norm"].append(grad_norm.float())
+            optimizer_steps += 1
+            if args.target_kl is not None and approxkl_sum / rt.world_size > args.target_kl:
+                stop_reason = "target_kl"
+                break
+        if stop_reason:
+            break
+    optimizer.zero_grad(set_to_none=True)
+    return SimpleNamespace(stats=stats, stop_reason=stop_reason, optimizer_steps=optimizer_steps,
+                           train_tokens=train_tokens)
+
+
+@contextmanager
+def gradient_sync(model, sync):
+    """Reduce gradients across ranks in this backward only if `sync`: DDP's no_sync(), FSDP2's
+    set_requires_gradient_sync(). A single process: nothing to do."""
+    for unit in (m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")):
+        unit.set_requires_gradient_sync(sync, recurse=False)
+    with nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
+        yield
+
+
+def optimizer_step(optimizer, scaler, params, max_grad_norm):
+    """Unscale (fp16), clip the global gradient norm, step, clear the gradients. -> the norm before clipping, or None
+    (no step) when it is not finite; under fp16 GradScaler skips such steps by itself, and the norm is inf."""
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+    if not torch.isfinite(grad_norm) and not scaler.is_enabled():
+        return None
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+@torch.no_grad()
+def update_stats(stats, mb, new_logprobs, entropy, cliprange, pg_loss, pg_clipfrac, approxkl, vf_loss, vf_clipfrac):
+    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`."""
+    ratio, mask = (new_logprobs - mb["logprobs"]).exp(), mb["response_mask"]
+    for key, value in {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
+                       "policy/entropy_avg": masked_mean(entropy, mask),
+                       "policy/ratio_outside_clip_avg": masked_mean(((ratio - 1).abs() > cliprange).float(), mask),
+                       "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
+                       "val/ratio": masked_mean(ratio, mask), "val/ratio_var": masked_var(ratio, mask)}.items():
+        stats[key].append(value.detach().float())
+
+
+# ------------------------------------------------------------------------------------------ main: the loop
+def main(args: Args):
+    sizes = check_args(args)  # flags only: a bad one fails here, before anything is loaded or started
+    transformers.utils.logging.disable_progress_bar()  # loading and saving bars would bury the per-update lines
+    model_path, dataset = builtin_task(args)  # written before the process group exists (see build_addition_task)
+    rt = start_processes(args)  # torchrun: join the process group; device and precision
+    output_dir = run_folder(args, rt)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)  # the same on every rank: a new value head starts identical everywhere
+    models = load_models(args, model_path, rt)
+    prompts = load_prompts(dataset, args, models.tokenizer, models.policy)
+    model = wrap_for_training(models, args, rt)  # policy and value model as one module; DDP or FSDP2 under torchrun
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-8,
+                                  weight_decay=0.0, fused=rt.device.type in ("cpu", "cuda"))  # fp32 state
+    schedule = lambda u: 1.0 - u / sizes.num_updates if args.anneal_lr else 1.0  # noqa: E731
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
+    log = Logger(args, output_dir, sizes, rt, len(prompts.texts))
+    start_update, bad_updates = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log)
+    for update in range(start_update, sizes.num_updates):
+        clock = Clock()
+        # each rank takes its own slice of the update's global batch, and its own seed (ints hash to themselves,
+        # so this is the same in every run): a resumed run continues exactly, with no RNG state to restore
+        rows = prompt_indices(len(prompts.ids), sizes.local_batch_size, update, args.seed, rt.rank, rt.world_size)
+        random.seed(hash((args.seed, update, rt.rank)))
+        torch.manual_seed(hash((args.seed, update, rt.rank)) % 2**63)
+        model.eval()  # dropout is off anyway; eval() keeps the KV cache on under gradient checkpointing
+
+        # 1. rollout: sample responses with the current policy π_old, keeping log π_old of each sampled token
+        queries, query_mask = left_pad([prompts.ids[i] for i in rows.tolist()], models.tokenizer.pad_token_id)
+        batch = rollout(models, queries.to(rt.device), query_mask.to(rt.device), args, rt)
+        mask = batch["response_mask"]  # (B, R), True = real response token
+        clock.lap("generate")
+
+        # 2. score: log π_ref and V(s_t) of every response token, and the score of each response
+        batch.update(score(models, batch, prompts, rows.tolist(), args, rt))
+        scores = batch["raw_scores"]  # (B,)
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * (~batch["contains_eos"]).float()
+        clock.lap("score")
+
+        # 3. KL and rewards: r_t = −β·KL_t on every token, plus the score on the last real one
+        kl = torch.where(mask, kl_estimate(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator), 0.0)
+        rewards = per_token_rewards(scores, kl, mask, args.kl_coef)  # (B, R)
+        if args.whiten_rewards:  # unit variance, mean kept; statistics of the global batch (all ranks)
+            rewards = masked_whiten(rewards, mask, *global_mean_var(rewards, mask), shift_mean=False)
+
+        # 4. advantages: GAE, then whitened with the statistics of the global batch (all ranks)
+        advantages, returns = gae(rewards, batch["values"], mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
+        batch.update(scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns)
+
+        # 5. PPO epochs: num_ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each
+        model.train()
+        trained = ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt)
+        lr = lr_scheduler.get_last_lr()[0]
+        lr_scheduler.step()
+        bad_updates = count_bad_updates(bad_updates, trained.stop_reason, update, log)  # three in a row end the run
+        clock.lap("train")
+
+        # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
+        metrics, token_counts = update_metrics(batch, trained, models, args, rt)
+        log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows.tolist())
+        stop = stop_requested(rt)  # a signal reached some rank: all stop after this update
+        if stop or (args.save_every and (update + 1) % args.save_every == 0):
+            path = save_checkpoint(output_dir, update + 1, bad_updates, model, optimizer, lr_scheduler, scaler, args, rt)
+            if stop:
+                log.print(f"saved {path}; continue with the same flags plus --resume auto")
+                return log.last
+    save_final(model, models, output_dir, rt)
+    log.finish(f"saved policy and value model to {output_dir}")
+    return log.last
+
+
+def count_bad_updates(bad_updates, stop_reason, update, log):
+    """The non-finite streak: a non-finite loss or gradient skips the rest of the update; three in a row end the run."""
+    if stop_reason not in ("non-finite loss", "non-finite gradient"):
+        return 0
+    log.print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr)
+    if bad_updates + 1 >= 3:
+        fail(f"{bad_updates + 1} updates in a row had a non-finite loss or gradient; lower --learning_rate, "
+             "check the reward scale, or use --dtype fp32")
+    return bad_updates + 1
+
+
+# ------------------------------------------------------------------------------------------ models, data and rewards
+def from_pretrained(cls, path, flag, args, **kwargs):
+    """cls.from_pretrained(path), or one line naming the flag when that fails."""
+    try:
+        return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
+
+
+def load_pretrained(cls, path, flag, args, **kwargs):
+    """A model with dropout off (it would make the training forward disagree with the rollout's π_old)."""
+    config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    model = from_pretrained(cls, path, flag, args, config=config)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def ensure_pad_token(tokenizer):
+    """Give a tokenizer without a pad token, or whose pad token is EOS, a distinct one: EOS is an action the policy
+    takes and must never be mistaken for padding."""
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    return tokenizer
+
+
+def fit_tokenizer(model, tokenizer):
+    """Make room for an added pad token and record it in the config (HF's own pooling reads config.pad_token_id)."""
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def load_models(args, model_path, rt):
+    """The policy's tokenizer and every model, on rt.device: the policy and the value model (trained, fp32), the
+    reference policy (default: a copy of the initial policy) and a reward model, or a reward function. Frozen models
+    are held in the autocast dtype; a reward model whose vocabulary differs from the policy's keeps its tokenizer."""
+    tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, model_path, "model_name_or_path", args))
+    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
+        tokenizer.eos_token_id if args.stop_token == "eos" else None)
+    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args)
+    fit_tokenizer(policy, tokenizer)
+    ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args)
+                  if args.ref_model_path else copy.deepcopy(policy))
+    fit_tokenizer(ref_policy, tokenizer)
+    reward_model = reward_tokenizer = reward_fn = None
+    if args.reward_model_path:
+        path = args.reward_model_path
+        reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args)
+        if reward_model.config.num_labels != 1:
+            fail(f"--reward_model_path {path!r} has {reward_model.config.num_labels} labels; a reward model has 1")
+        reward_tokenizer = from_pretrained(AutoTokenizer, path, "reward_model_path", args)
+        if tokenizer.get_vocab().items() >= reward_tokenizer.get_vocab().items():
+            reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
+            fit_tokenizer(reward_model, tokenizer)
+        elif reward_tokenizer.pad_token is None:
+            reward_tokenizer.pad_token = reward_tokenizer.eos_token
+        reward_model.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
+    else:  # check_args made sure that the built-in reward is only used with the built-in prompts
+        reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else addition_reward
+    # the value model reads the policy's token ids: start from the reward model only if it shares the vocabulary
+    value_path = args.value_model_path or (args.reward_model_path if reward_model is not None and reward_tokenizer
+                                           is None else model_path)
+    value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args,
+                                  num_labels=1)
+    if not hasattr(value_model, "score"):
+        fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
+             "(a *ForSequenceClassification of a causal LM)")
+    fit_tokenizer(value_model, tokenizer)
+    ref_policy.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
+    policy.to(rt.device)
+    value_model.to(rt.device)
+    # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
+    # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
+    return SimpleNamespace(tokenizer=tokenizer, stop_token_id=stop_token_id, policy=policy, ref_policy=ref_policy,
+                           value_model=value_model, reward_model=reward_model, reward_tokenizer=reward_tokenizer,
+                           reward_fn=reward_fn, policy_head=None if rt.fsdp else output_layer(policy),
+                           ref_head=None if rt.fsdp and args.shard_frozen_models else output_layer(ref_policy))
 
 
 def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
@@ -363,178 +761,22 @@ def left_pad(sequences, pad_token_id):
     return ids, mask
 
 
-# ------------------------------------------------------------------------------------------ models
-def load_pretrained(cls, path, flag, args, **kwargs):
-    """from_pretrained with dropout off (it would make the training forward disagree with the rollout's π_old)."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
-        for key, value in config.to_dict().items():
-            if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
-                setattr(config, key, 0.0)
-        model = cls.from_pretrained(path, config=config, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as e:
-        fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
+def load_prompts(dataset, args, tokenizer, policy):
+    """-> texts, token ids and chat messages (None for plain text) of the prompts, checked: some, none empty, and
+    each short enough for the policy's context with --response_length."""
+    texts, ids, messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
+    if not texts:
+        fail(f"--dataset {dataset!r} holds no prompts")
+    if min(len(i) for i in ids) == 0:
+        fail(f"--dataset {dataset!r}: prompt {[len(i) for i in ids].index(0)} is empty after tokenization")
+    context = getattr(policy.config, "max_position_embeddings", None)
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if context and len(ids[longest]) + args.response_length > context:
+        fail(f"--dataset: prompt {longest} has {len(ids[longest])} tokens, which with --response_length "
+             f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
+    return SimpleNamespace(texts=texts, ids=ids, messages=messages)
 
 
-def load_tokenizer(path, flag, args):
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as e:
-        fail(f"--{flag} {path!r}: no tokenizer could be loaded: {str(e).strip().splitlines()[0]}")
-
-
-def ensure_pad_token(tokenizer):
-    """Give a tokenizer without a pad token, or whose pad token is EOS, a distinct one: EOS is an action the policy
-    takes and must never be mistaken for padding."""
-    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-    return tokenizer
-
-
-def fit_tokenizer(model, tokenizer):
-    """Make room for an added pad token and record it in the config (HF's own pooling reads config.pad_token_id)."""
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-
-
-def forward_kwargs(input_ids, attention_mask):
-    """position_ids count real tokens only, so left padding changes nothing (GPT-2 is off by ~0.5 nats without)."""
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
-
-
-def last_hidden(model, input_ids, attention_mask, keep):
-    """The backbone's last hidden states (B, keep, H) at the last `keep` positions of a padded batch (B, S)."""
-    return getattr(model, model.base_model_prefix)(**forward_kwargs(input_ids, attention_mask)).last_hidden_state[:, -keep:]
-
-
-def forward(model, input_ids, attention_mask, keep):
-    """One forward over a padded batch (B, S) -> the last `keep` positions: logits (B, keep, V) of a causal LM, or
-    the per-token scalar (B, keep) of a sequence classifier's `score` head (value and reward models)."""
-    if hasattr(model, "score"):
-        return model.score(last_hidden(model, input_ids, attention_mask, keep)).squeeze(-1).float()
-    return model(**forward_kwargs(input_ids, attention_mask), logits_to_keep=keep).logits
-
-
-def output_layer(model):
-    """The causal LM's output layer if its logits are exactly that nn.Linear applied to the backbone's last hidden
-    state, else None (checked on a probe input: some models scale or cap their logits). With it, log-probs are taken
-    from the hidden states chunk by chunk and the (B, R, V) logits are never made."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        return None
-    ids = torch.arange(1, 5, device=head.weight.device)[None] % head.out_features
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
-        logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
-        return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
-
-
-def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
-    """log π(y_t|s_t) and entropy for every response position (B, R). Position P−1+t predicts response token t, so the
-    last token is never fed and only the R response positions get logits. head: output_layer(policy), or None.
-    With a head, logits larger than one chunk are never made (each chunk is computed again in backward: when they
-    fit in one chunk, making them is as cheap in memory and saves that recomputation)."""
-    responses = query_responses[:, context_length:]
-    ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
-    if head is None or responses.numel() <= logprobs_chunk_rows(head.out_features):  # fits one chunk: plain logits
-        return token_logprobs(forward(policy, ids, mask, R), responses, temperature)
-    return token_logprobs(last_hidden(policy, ids, mask, R), responses, temperature, head)
-
-
-def state_values(value_model, query_responses, attention_mask, context_length):
-    """V(s_t) for every response position (B, R), read at the token before y_t."""
-    return forward(value_model, query_responses[:, :-1], attention_mask[:, :-1], query_responses.shape[1] - context_length)
-
-
-class PolicyAndValue(torch.nn.Module):
-    """The two trained models as one module: DDP then averages all their gradients in one pass of buckets."""
-
-    def __init__(self, policy, value_model, fused_head=False):
-        super().__init__()
-        self.policy, self.value_model, self.fused_head = policy, value_model, fused_head  # output_layer(policy) is not None
-
-    def forward(self, query_responses, attention_mask, context_length, temperature):
-        """-> log π_θ(y_t|s_t), entropy and V(s_t), each (B, R)."""
-        head = self.policy.get_output_embeddings() if self.fused_head else None
-        logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length, temperature, head)
-        return logprobs, entropy, state_values(self.value_model, query_responses, attention_mask, context_length)
-
-
-def shard(model, frozen=False):
-    """FSDP2: each decoder block is a unit whose weights are gathered only while it runs, the rest another unit. A
-    model with a `score` head gets its backbone and head as two roots, because forward() calls them one by one.
-    A root keeps its gathered weights after forward for the backward that follows; a frozen model has no backward,
-    so its roots free them at once (else its embeddings and output layer would stay whole on every rank)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for module in model.modules():
-        if type(module).__name__ in (model._no_split_modules or ()):
-            fully_shard(module)
-    for root in [getattr(model, model.base_model_prefix), model.score] if hasattr(model, "score") else [model]:
-        fully_shard(root, reshard_after_forward=True if frozen else None)
-
-
-@contextmanager
-def gathered(model, enabled):
-    """FSDP2: gather a sharded model's full weights once and keep them across forwards (a decoding loop would
-    otherwise all-gather every block at every token), then free them. Without FSDP: nothing."""
-    units = [m for m in model.modules() if hasattr(m, "unshard")] if enabled else []
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for unit in units:  # FSDP2's defaults: blocks reshard after forward, the root keeps its weights
-            unit.reshard()
-            unit.set_reshard_after_forward(unit is not model, recurse=False)
-
-
-def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_id, pad_token_id, sync_ranks=False):
-    """Sample y_t ~ softmax(z_t / T) token by token with a KV cache: exactly the policy we train (no top-k/top-p).
-    Returns responses (B, L) and log π_old(y_t|s_t) (B, L); after a row's stop token come pad ids and log-prob 0.
-    L < max_new_tokens when every row stopped early. sync_ranks: a sharded policy's forward is a collective, so
-    every rank keeps stepping until all ranks are done. Call under torch.no_grad() or inference_mode()."""
-    cache_kw = "cache" if "cache" in inspect.signature(policy.forward).parameters else "past_key_values"
-    cache = DynamicCache(config=policy.config)
-    ids, mask = queries, query_mask
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
-    tokens, logprobs = [], []
-    for _ in range(max_new_tokens):
-        out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-        logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V)
-        token = torch.multinomial(logp.exp(), 1).squeeze(1).masked_fill(done, pad_token_id)
-        tokens.append(token)
-        logprobs.append(logp.gather(1, token[:, None]).squeeze(1).masked_fill(done, 0.0))
-        if stop_token_id is not None:
-            done |= token == stop_token_id
-        if (all_ranks_sum((~done).sum()[None]) if sync_ranks else (~done).sum()) == 0:
-            break
-        ids, positions = token[:, None], positions[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return torch.stack(tokens, 1), torch.stack(logprobs, 1)
-
-
-def score_texts(reward_model, reward_tokenizer, texts, add_special_tokens):
-    """Scores of a reward model with its own tokenizer, on the decoded text (B,). A decoder's `score` head is read at
-    the last real token; an encoder classifier pools by itself."""
-    device = next(reward_model.parameters()).device
-    enc = reward_tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=add_special_tokens).to(device)
-    mask = enc["attention_mask"].bool()
-    if not hasattr(reward_model, "score"):
-        return reward_model(**enc).logits[:, 0].float()
-    last = (mask * torch.arange(mask.shape[1], device=device)).argmax(1, keepdim=True)
-    return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
-
-
-# ------------------------------------------------------------------------------------------ data and rewards
 def read_prompts(dataset, split):
     """-> list of prompts, each a string or a list of chat messages."""
     if dataset.endswith((".txt", ".jsonl")):
@@ -558,7 +800,7 @@ def read_prompts(dataset, split):
     try:
         import datasets
     except ImportError:
-        fail(f"--dataset {dataset!r} is not a local .txt/.jsonl file; loading a hub dataset needs `pip install datasets`")
+        fail(f"--dataset {dataset!r} is not a local .txt/.jsonl file; a hub dataset needs `pip install datasets`")
     try:
         data = datasets.load_dataset(dataset, split=split)
     except Exception as e:  # datasets raises many kinds; all mean this flag is wrong
@@ -630,6 +872,20 @@ def addition_reward(prompts, completions):
     return scores
 
 
+def builtin_task(args):
+    """-> the policy's path and the prompts' path. `builtin` ones belong to the built-in task, which each process
+    writes into its own temp folder (deleted at exit), before the process group exists: under torchrun,
+    transformers' save_pretrained writes on rank 0 only."""
+    model_path, dataset = args.model_name_or_path, args.dataset
+    if "builtin" in (model_path, dataset):
+        folder = tempfile.mkdtemp(prefix="ppo_rlhf_builtin_")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        builtin_model, builtin_prompts = build_addition_task(folder, args.seed)
+        model_path = builtin_model if model_path == "builtin" else model_path
+        dataset = builtin_prompts if dataset == "builtin" else dataset
+    return model_path, dataset
+
+
 def build_addition_task(folder, seed):
     """The built-in task: 100 prompts `a + b =` (a, b in 0..9) and a tiny randomly initialised Llama with a
     word-level tokenizer, both written to `folder` and then loaded like any hub model. -> model folder, prompts file."""
@@ -654,6 +910,219 @@ def build_addition_task(folder, seed):
     return model_dir, prompts_file
 
 
+# ======================================================================================================================
+# Systems: what lets the loop above run on many devices, with large vocabularies, and survive being stopped.
+# Each section below may be skipped on a first reading.
+# ======================================================================================================================
+# ------------------------------------------------------------------------------------------ distributed (systems)
+@dataclass
+class Runtime:
+    """This process: its rank among world_size processes, its device, whether torchrun started it (then a process
+    group exists), whether the trained models are FSDP2-sharded, and the autocast dtype (None: fp32)."""
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    torchrun: bool = False
+    fsdp: bool = False
+    low_dtype: Optional[torch.dtype] = None
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.low_dtype) if self.low_dtype else nullcontext()
+
+    def no_grad(self):  # for the rollout: FSDP2 cannot reuse weights gathered under inference_mode
+        return torch.no_grad() if self.fsdp else torch.inference_mode()
+
+
+def start_processes(args):
+    """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE: join its process group (nccl on CUDA, gloo on CPU). Without
+    them this is one process and no process group. -> Runtime."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if "RANK" in os.environ and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=args.dist_timeout_s))
+    torchrun = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
+    low_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    return Runtime(rank, world_size, device, torchrun, torchrun and args.distributed == "fsdp", low_dtype)
+
+
+def all_ranks_sum(x):
+    """Σ of x over all ranks under torchrun (in place); x itself in a single process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def from_rank_0(obj):
+    """Rank 0's value of a picklable object, on every rank (obj itself in a single process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder)
+    return holder[0]
+
+
+def global_mean_var(x, mask):
+    """Mean and unbiased variance of the real entries of the global batch: over all ranks under torchrun, so each
+    rank gets what one process holding the concatenated batch would. Two passes (Σx, then Σ(x − μ)²) for accuracy."""
+    n, total = all_ranks_sum(torch.stack([mask.sum().to(x.dtype), torch.where(mask, x, 0.0).sum()]))
+    mean = total / n
+    return mean, all_ranks_sum(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
+
+
+def reduce_over_ranks(averaged, summed, rt):
+    """Metrics of all ranks in one all-reduce: `averaged` ones are averaged, `summed` ones (counts) summed."""
+    values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device) for v in [*averaged.values(), *summed.values()]]
+    reduced = all_ranks_sum(torch.stack(values)).tolist()
+    return ({key: value / rt.world_size for key, value in zip(averaged, reduced)},
+            dict(zip(summed, reduced[len(averaged):])))
+
+
+def wrap_for_training(models, args, rt):
+    """The policy and the value model as one PolicyAndValue module, with gradient checkpointing if asked. Under
+    torchrun, DDP (whole models on every rank, gradients averaged by all-reduce) or FSDP2 (every rank keeps
+    1/world_size of their weights, gradients and optimizer state; with --shard_frozen_models, of the frozen ones too)."""
+    if args.gradient_checkpointing:
+        for model in (models.policy, models.value_model):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    frozen = [models.ref_policy, models.reward_model] if args.shard_frozen_models else []
+    for model in [models.policy, models.value_model] + frozen if rt.fsdp else []:
+        if model is not None:
+            shard(model, frozen=model in frozen)
+    model = PolicyAndValue(models.policy, models.value_model, fused_head=models.policy_head is not None)
+    if rt.torchrun and not rt.fsdp:
+        ddp = torch.nn.parallel.DistributedDataParallel
+        no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
+                          else "broadcast_buffers": False}  # buffers are constants: no collective per forward
+        model = ddp(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None, **no_buffer_sync)
+    return model
+
+
+def shard(model, frozen=False):
+    """FSDP2: each decoder block is a unit whose weights are gathered only while it runs, the rest another unit. A
+    model with a `score` head gets its backbone and head as two roots, because forward() calls them one by one.
+    A root keeps its gathered weights after forward for the backward that follows; a frozen model has no backward,
+    so its roots free them at once (else its embeddings and output layer would stay whole on every rank)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if type(module).__name__ in (model._no_split_modules or ()):
+            fully_shard(module)
+    for root in [getattr(model, model.base_model_prefix), model.score] if hasattr(model, "score") else [model]:
+        fully_shard(root, reshard_after_forward=True if frozen else None)
+
+
+@contextmanager
+def gathered(model, enabled):
+    """FSDP2: gather a sharded model's full weights once and keep them across forwards (a decoding loop would
+    otherwise all-gather every block at every token), then free them. Without FSDP: nothing."""
+    units = [m for m in model.modules() if hasattr(m, "unshard")] if enabled else []
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:  # FSDP2's defaults: blocks reshard after forward, the root keeps its weights
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
+
+
+# ------------------------------------------------------------------------------------------ memory-efficient log-probs (systems)
+def logprobs_chunk_rows(vocab_size):
+    """Rows per chunk so that one float32 chunk of logits is about 64 MiB."""
+    return max(1, 2**24 // vocab_size)
+
+
+def chunk_logits(x, weight, bias, temperature):
+    """One chunk's z / T in a new float32 tensor: z is x itself, or the output layer z = x·Wᵀ + b applied to hidden
+    states x (N, H). The callers work on it in place, so each chunk costs one (chunk, V) float32 tensor."""
+    z = x.to(torch.float32, copy=True) if weight is None else F.linear(x.to(weight.dtype), weight, bias).float()
+    return z.div_(temperature)
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """log π(a) = z_a/T − logsumexp(z/T) and the entropy H = logsumexp(z/T) − Σ_v π_v·z_v/T in float32, one chunk of
+    rows at a time. z comes as logits x (N, V), or is computed chunk by chunk from hidden states x (N, H) and the
+    output layer (W, b): then no (N, V) tensor ever exists whole, and backward computes each chunk's z once more.
+    Backward, with g and h the gradients of log π(a) and H:  ∂/∂z = [g·(onehot(a) − π) − h·π·(log π + H)] / T;
+    then ∂x = ∂z·W,  ∂W = Σ_chunks ∂zᵀ·x,  ∂b = Σ_rows ∂z."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tokens, temperature):  # x (N, V) or (N, H), weight (V, H) or None, tokens (N,)
+        if weight is not None and torch.is_autocast_enabled(x.device.type):  # the matmul in autocast's dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        n, chunk = x.shape[0], logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
+        lse = torch.empty(n, dtype=torch.float32, device=x.device)
+        entropy, logprobs = torch.empty_like(lse), torch.empty_like(lse)
+        for s in range(0, n, chunk):
+            z = chunk_logits(x[s : s + chunk], weight, bias, temperature)
+            lse[s : s + chunk] = z.logsumexp(-1)
+            logprobs[s : s + chunk] = z.gather(-1, tokens[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            entropy[s : s + chunk] = lse[s : s + chunk] - (z - lse[s : s + chunk, None]).exp_().mul_(z).sum(-1)
+        ctx.save_for_backward(x, weight, bias, tokens, lse, entropy)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)  # h is None unless the entropy is in the loss: then no extra work
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        x, weight, bias, tokens, lse, entropy = ctx.saved_tensors
+        grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs
+        grad_x = torch.empty_like(x)
+        grad_w = None if weight is None else torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=x.device)
+        chunk = logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
+        for s in range(0, x.shape[0], chunk):
+            g, rows = grad_logprobs[s : s + chunk, None], slice(s, s + chunk)
+            logp = chunk_logits(x[rows], weight, bias, ctx.temperature).sub_(lse[rows, None])  # (chunk, V)
+            if grad_entropy is None:  # in place: one (chunk, V) tensor
+                grad_z = logp.exp_().mul_(-g)
+            else:
+                probs, h = logp.exp(), grad_entropy[rows, None]
+                grad_z = logp.add_(entropy[rows, None]).mul_(h).add_(g).mul_(probs).neg_()
+            grad_z = grad_z.scatter_add_(-1, tokens[rows, None], g).div_(ctx.temperature)
+            if weight is None:
+                grad_x[rows] = grad_z
+                continue
+            grad_x[rows] = grad_z.to(weight.dtype) @ weight
+            if weight.dtype == torch.float32:  # in place: no (V, H) temporary per chunk
+                grad_w.addmm_(grad_z.T, x[rows].float())
+            else:
+                grad_w += (grad_z.to(weight.dtype).T @ x[rows].to(weight.dtype)).float()
+            if bias is not None:
+                grad_b += grad_z.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def output_layer(model):
+    """The causal LM's output layer if its logits are exactly that nn.Linear applied to the backbone's last hidden
+    state, else None (checked on a probe input: some models scale or cap their logits). With it, log-probs are taken
+    from the hidden states chunk by chunk and the (B, R, V) logits are never made."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    ids = torch.arange(1, 5, device=head.weight.device)[None] % head.out_features
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
+        logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
+        return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
+
+
+# ------------------------------------------------------------------------------------------ checkpoints, resume and signals (systems)
+def run_folder(args, rt):
+    """The output folder (a default one is named by rank 0's clock); an existing run in it is never overwritten."""
+    output_dir = from_rank_0(args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    if os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and not args.resume:
+        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto or choose another "
+             "--output_dir")
+    return output_dir
+
+
 def full_state_dict(model, optimizer=None):
     """The full (unsharded) state of a plain, DDP or FSDP2 model, on CPU, keyed by parameter name; with an optimizer,
     its state too. A collective under torchrun: every rank calls it, rank 0 gets the tensors."""
@@ -663,6 +1132,15 @@ def full_state_dict(model, optimizer=None):
     if optimizer is None:
         return get_model_state_dict(model, options=options)
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def save_final(model, models, output_dir, rt):
+    """The trained policy and value model, whole, as `from_pretrained` folders (every rank gathers, rank 0 writes)."""
+    weights = full_state_dict(model)
+    if rt.rank == 0:
+        for name, part in (("policy", models.policy), ("value_model", models.value_model)):
+            state_dict = {key.split(".", 1)[1]: value for key, value in weights.items() if key.startswith(name + ".")}
+            save_pretrained_atomic(part, state_dict, models.tokenizer, os.path.join(output_dir, name))
 
 
 def save_pretrained_atomic(model, state_dict, tokenizer, path):
@@ -677,29 +1155,25 @@ def save_pretrained_atomic(model, state_dict, tokenizer, path):
     shutil.rmtree(old, ignore_errors=True)
 
 
-RUN_ONLY_FIELDS = {"output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
-                   "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
-                   "dist_timeout_s"}  # fields a resumed run may change: none of them changes the algorithm
-
-
 def list_checkpoints(output_dir):
     """Complete checkpoint folders in output_dir, oldest first (a .tmp folder is an interrupted write)."""
     return sorted(os.path.join(output_dir, d) for d in os.listdir(output_dir)
                   if d.startswith("checkpoint-") and not d.endswith(".tmp"))
 
 
-def save_checkpoint(output_dir, update, model, optimizer, lr_scheduler, scaler, args, world_size):
+def save_checkpoint(output_dir, update, bad_updates, model, optimizer, lr_scheduler, scaler, args, rt):
     """Everything the run needs to go on exactly: full weights and optimizer state, schedule, GradScaler, the update
-    counter (the prompt stream's position and every seed follow from it) and the config. Rank 0 writes a .tmp
-    folder, flushes it and renames it: a checkpoint-N folder is always complete. Keeps the newest save_total_limit."""
+    counter (the prompt stream's position and every seed follow from it), the non-finite streak and the algorithmic
+    flags. Rank 0 writes a .tmp folder, flushes it and renames it: a checkpoint-N folder is always complete. Keeps the
+    newest save_total_limit."""
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rt.rank == 0:
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        state = dict(update=update, model=weights, optimizer=optimizer_state, lr_scheduler=lr_scheduler.state_dict(),
-                     scaler=scaler.state_dict(), world_size=world_size,
+        state = dict(update=update, bad_updates=bad_updates, model=weights, optimizer=optimizer_state,
+                     lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(), world_size=rt.world_size,
                      config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS})
         torch.save(state, os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "state.pt"), "rb") as f:
@@ -708,29 +1182,65 @@ def save_checkpoint(output_dir, update, model, optimizer, lr_scheduler, scaler, 
         os.replace(tmp, path)
         for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
             shutil.rmtree(old)
-    if dist.is_initialized():
+    if rt.torchrun:
         dist.barrier()  # the other ranks wait for the write here, not in the next update's first collective
     return path
 
 
-def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, world_size):
-    """Restore what save_checkpoint wrote, on every rank (weights_only loading: nothing in a checkpoint runs code)."""
+def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
+    """Restore what save_checkpoint wrote, on every rank (weights_only loading: nothing in a checkpoint runs code).
+    -> the update it was written after, and the non-finite streak then."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
-    if "model" not in state:
-        raise RuntimeError("written by an older ppo_rlhf.py (weights in .safetensors files next to state.pt)")
-    changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS and state["config"].get(k) != v]
+    saved = {**{f.name: f.default for f in fields(Args)}, **state["config"]}  # a newer flag: had its default then
+    changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS and saved[k] != v]
     if changed:
         fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
-    if state["world_size"] != world_size:  # the global batch, hence the prompt stream, depends on it
-        fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many (torchrun --nproc_per_node)")
+    if state["world_size"] != rt.world_size:  # the global batch, hence the prompt stream, depends on it
+        fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
+             "(torchrun --nproc_per_node)")
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, state["model"], options=options)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
-    return state["update"]
+    return state["update"], state["bad_updates"]
+
+
+def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log):
+    """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
+    and drop the lines of later updates from metrics.jsonl (no duplicate, no gap). -> (first update to run, the
+    non-finite streak)."""
+    if not args.resume:
+        return 0, 0
+    metrics_path, auto = os.path.join(output_dir, "metrics.jsonl"), args.resume == "auto"
+    # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
+    candidates = from_rank_0((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
+                             if auto else [args.resume])
+    start_update, bad_updates = 0, 0
+    for i, path in enumerate(candidates):
+        try:
+            start_update, bad_updates = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt)
+            log.print(f"resumed from {path} after update {start_update}")
+            break
+        except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
+            reason = str(e).strip().splitlines()[0]
+            if not auto or i == len(candidates) - 1:
+                fail(f"--resume {path!r} cannot be loaded: {reason}")
+            log.print(f"warning: skipping damaged checkpoint {path}: {reason}", file=sys.stderr)
+    if not candidates and os.path.exists(metrics_path):
+        fail(f"--resume auto: {output_dir!r} has metrics.jsonl but no checkpoint to resume from")
+    if all_ranks_sum(torch.tensor([start_update], device=rt.device)).item() != start_update * rt.world_size:
+        fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
+             "is --output_dir on a filesystem every node sees?")
+    if rt.rank == 0 and os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["update"] <= start_update]
+        with open(metrics_path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(metrics_path + ".tmp", metrics_path)
+    return start_update, bad_updates
 
 
 STOP_SIGNALS = []  # (signal, time) appended by request_stop; main() checks it after every update
@@ -745,426 +1255,129 @@ def request_stop(signum, frame):
     if STOP_SIGNALS:
         return
     STOP_SIGNALS.append((signum, time.monotonic()))
-    print(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr, flush=True)
+    print(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr,
+          flush=True)
 
 
-# ------------------------------------------------------------------------------------------ training
-def ppo_epochs(model, optimizer, scaler, autocast, batch, args):
-    """5. PPO epochs: num_ppo_epochs passes over this rank's rollout batch in shuffled minibatches, one optimizer step
-    each; a minibatch is gradient_accumulation_steps micro-batches. model: PolicyAndValue, bare or wrapped in DDP,
-    or with FSDP2-sharded parts. batch: the rollout (query_responses, attention_mask, context_length, response_mask,
-    lengths, logprobs, values, advantages, returns). The loss is the mean over the real tokens of the whole minibatch,
-    on all ranks together: a micro-batch's token mean is weighted by its share of those tokens (times the number of
-    ranks, as DDP and FSDP average the ranks' gradients). -> stats (lists per micro-batch), stop reason, steps, tokens."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    query_responses, attention_mask, response_mask = batch["query_responses"], batch["attention_mask"], batch["response_mask"]
-    lengths, P = batch["lengths"], batch["context_length"]
-    B = len(query_responses)
-    mini_batch_size = B // args.num_mini_batches
-    micro_batch_size = mini_batch_size // args.gradient_accumulation_steps
-    params = [p for p in model.parameters() if p.requires_grad]
-    fsdp_units = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
-    stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
-    for epoch in range(args.num_ppo_epochs):
-        for mb_rows in torch.randperm(B, device=lengths.device).split(mini_batch_size):
-            mb_tokens = all_ranks_sum(lengths[mb_rows].sum().float())  # real response tokens of the global minibatch
-            mb_approxkl, non_finite = [], torch.zeros((), device=lengths.device)
-            micro_batches = mb_rows.split(micro_batch_size)
-            for i, micro_rows in enumerate(micro_batches):
-                sync = i == len(micro_batches) - 1  # reduce gradients across ranks after the last micro-batch only
-                for unit in fsdp_units:
-                    unit.set_requires_gradient_sync(sync, recurse=False)
-                L = lengths[micro_rows].max().item()  # pay only for real tokens
-                mb_ids, mb_mask = query_responses[micro_rows, : P + L], attention_mask[micro_rows, : P + L]
-                mb_response_mask = response_mask[micro_rows, :L]
-                old_logprobs = batch["logprobs"][micro_rows, :L]
-                with nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
-                    with autocast:
-                        new_logprobs, entropy, new_values = model(mb_ids, mb_mask, P, args.temperature)
-                    pg_loss, pg_clipfrac, approxkl = policy_loss(new_logprobs, old_logprobs, batch["advantages"][micro_rows, :L],
-                                                                 mb_response_mask, args.cliprange)
-                    vf_loss, vf_clipfrac = value_loss(new_values.float(), batch["values"][micro_rows, :L],
-                                                      batch["returns"][micro_rows, :L], mb_response_mask, args.cliprange_value)
-                    loss = pg_loss + args.vf_coef * vf_loss
-                    non_finite += ~torch.isfinite(loss)  # decided for all ranks together below: one rank alone would hang
-                    scaler.scale(loss * (mb_response_mask.sum() * world_size / mb_tokens)).backward()
-                with torch.no_grad():
-                    ratio = (new_logprobs - old_logprobs).exp()
-                    outside = ((ratio - 1).abs() > args.cliprange).float()
-                    for key, value in {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
-                                       "policy/entropy_avg": masked_mean(entropy, mb_response_mask),
-                                       "policy/ratio_outside_clip_avg": masked_mean(outside, mb_response_mask),
-                                       "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
-                                       "val/ratio": masked_mean(ratio, mb_response_mask),
-                                       "val/ratio_var": masked_var(ratio, mb_response_mask)}.items():
-                        stats[key].append(value.detach().float())
-                mb_approxkl.append(approxkl.detach())
-                train_tokens += mb_mask.sum().item()
-            approxkl_sum, non_finite = all_ranks_sum(torch.stack([torch.stack(mb_approxkl).mean(), non_finite]))
-            if non_finite:
-                stop_reason = "non-finite loss"
-                break
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-            if not torch.isfinite(grad_norm) and not scaler.is_enabled():  # GradScaler skips such steps by itself
-                stop_reason = "non-finite gradient"
-                break
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            if torch.isfinite(grad_norm):  # fp16: GradScaler skipped this step and lowered its scale
-                stats["policy/grad_norm"].append(grad_norm.float())
-            optimizer_steps += 1
-            if args.target_kl is not None and approxkl_sum / world_size > args.target_kl:
-                stop_reason = "target_kl"
-                break
-        if stop_reason:
-            break
-    optimizer.zero_grad(set_to_none=True)
-    return stats, stop_reason, optimizer_steps, train_tokens
+def stop_requested(rt):
+    """A stop signal reached some rank (a collective: all ranks stop together)."""
+    return all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
 
 
-def main(args: Args):
-    # --- sizes (per device): rollout batch -> num_mini_batches minibatches -> gradient_accumulation_steps micro-batches
-    batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    if args.per_device_train_batch_size < 1 or args.gradient_accumulation_steps < 1 or args.num_mini_batches < 1:
-        fail("--per_device_train_batch_size, --gradient_accumulation_steps and --num_mini_batches must be >= 1")
-    if batch_size % args.num_mini_batches:
-        fail(f"rollout batch {batch_size} (--per_device_train_batch_size x --gradient_accumulation_steps) "
-             f"is not divisible by --num_mini_batches {args.num_mini_batches}")
-    mini_batch_size = batch_size // args.num_mini_batches
-    if mini_batch_size % args.gradient_accumulation_steps:
-        fail(f"minibatch {mini_batch_size} is not divisible by --gradient_accumulation_steps {args.gradient_accumulation_steps}")
-    micro_batch_size = mini_batch_size // args.gradient_accumulation_steps
-    if args.num_ppo_epochs < 1:
-        fail(f"--num_ppo_epochs must be >= 1, got {args.num_ppo_epochs}")
-    if args.response_length < 1:
-        fail(f"--response_length must be >= 1, got {args.response_length}")
-    if args.temperature <= 0:
-        fail(f"--temperature must be > 0, got {args.temperature}")
+# ------------------------------------------------------------------------------------------ logging (systems)
+class Clock:
+    """Seconds per phase of one update: lap(name) ends the phase that ran since the previous lap."""
 
-    # --- the built-in task, written by each process into its own folder (before the process group exists: under
-    #     torchrun, save_pretrained writes on rank 0 only), loaded like any model, deleted when the process ends
-    model_path, dataset = args.model_name_or_path, args.dataset
-    if "builtin" in (model_path, dataset):
-        builtin_dir = tempfile.mkdtemp(prefix="ppo_rlhf_builtin_")
-        atexit.register(shutil.rmtree, builtin_dir, ignore_errors=True)
-        builtin_model, builtin_prompts = build_addition_task(builtin_dir, args.seed)
-        model_path = builtin_model if model_path == "builtin" else model_path
-        dataset = builtin_prompts if dataset == "builtin" else dataset
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps = {}
 
-    # --- torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is one process and no process group
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if "RANK" in os.environ and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.dist_timeout_s))
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    fsdp = distributed and args.distributed == "fsdp"
-    if fsdp and args.dtype == "fp16":
-        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
-    global_batch_size = batch_size * world_size  # prompts per update over all ranks
-    num_updates = args.total_episodes // global_batch_size
-    if num_updates < 1:
-        fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({global_batch_size} over all ranks)")
-    output_dir = [args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
-    if distributed:
-        dist.broadcast_object_list(output_dir)  # rank 0's clock names the run
-    output_dir = output_dir[0]
-    metrics_path = os.path.join(output_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path) and not args.resume:
-        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto or choose another --output_dir")
+    def lap(self, name):
+        now = time.perf_counter()
+        self.laps[name], self.last = now - self.last, now
 
-    def log(*lines, file=sys.stdout):  # only rank 0 prints and writes
-        if rank == 0:
+
+def update_metrics(batch, trained, models, args, rt):
+    """One update's metrics under TRL's names: per-sequence sums averaged over the batch, training statistics over
+    every micro-batch of every epoch, both averaged over all ranks. -> those, and the token counts of all ranks."""
+    mask, kl, scores, returns = batch["response_mask"], batch["kl"], batch["scores"], batch["returns"]
+    averaged = {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": (-batch["logprobs"]).sum(1).mean(),
+        "objective/non_score_reward": (-args.kl_coef * kl).sum(1).mean(),
+        "objective/rlhf_reward": (scores - args.kl_coef * kl.sum(1)).mean(),
+        "objective/scores": scores.mean(),
+        "val/explained_variance": explained_variance(global_mean_var(returns - batch["values"], mask)[1],
+                                                     global_mean_var(returns, mask)[1]),  # already global
+        "val/mean_response_length": batch["lengths"].float().mean(),
+        **{key: torch.stack(values).mean() for key, values in trained.stats.items()},
+        "policy/epochs": trained.optimizer_steps / args.num_mini_batches,
+    }
+    if trained.stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
+        averaged["policy/first_ratio"] = trained.stats["val/ratio"][0]
+        averaged["policy/first_approxkl"] = trained.stats["policy/approxkl_avg"][0]
+    if models.reward_fn is addition_reward:  # the built-in task: exactly the sum, then EOS
+        averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
+    summed = {"val/num_eos_tokens": batch["contains_eos"].sum(), "rollout": mask.sum(),
+              "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
+    averaged, summed = reduce_over_ranks(averaged, summed, rt)
+    return {**averaged, "val/num_eos_tokens": summed.pop("val/num_eos_tokens")}, summed
+
+
+def duration(seconds):
+    """3725 -> '1h02m05s'; 65 -> '1m05s'; 5 -> '5s'."""
+    h, m, s = int(seconds // 3600), int(seconds % 3600 // 60), int(seconds % 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class Logger:
+    """Rank 0 prints one line per update and appends one JSON object per update to metrics.jsonl (and to wandb with
+    --track); a few sample completions num_sample_generations times over the run."""
+
+    def __init__(self, args, output_dir, sizes, rt, num_prompts):
+        self.rank, self.device, self.args, self.sizes, self.last = rt.rank, rt.device, args, sizes, None
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        n = args.num_sample_generations
+        self.sample_every = max(1, sizes.num_updates // n) if n else 0
+        if args.track and self.rank == 0:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs `pip install wandb`")
+            wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir), config=asdict(args))
+        if self.rank == 0:
+            os.makedirs(output_dir, exist_ok=True)
+        mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
+        self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} prompts ({mode}"
+                   f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
+                   f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
+                   f"device {rt.device}, {args.dtype}, output {output_dir}")
+        self.start_time, self.first_update = time.time(), None
+
+    def print(self, *lines, file=sys.stdout):
+        if self.rank == 0:
             print(*lines, file=file, flush=True)
 
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)  # the same on every rank: a new value head starts identical everywhere
-    transformers.utils.logging.disable_progress_bar()  # loading bars would bury the per-update lines
-    low_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    autocast = torch.autocast(device.type, dtype=low_dtype) if low_dtype else nullcontext()
-    scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
-    no_grad = torch.no_grad if fsdp else torch.inference_mode  # FSDP2 cannot reuse weights gathered in inference mode
-
-    # --- models and data
-    tokenizer = ensure_pad_token(load_tokenizer(model_path, "model_name_or_path", args))
-    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
-        tokenizer.eos_token_id if args.stop_token == "eos" else None)
-    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args)
-    fit_tokenizer(policy, tokenizer)
-    ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args)
-                  if args.ref_model_path else copy.deepcopy(policy))
-    fit_tokenizer(ref_policy, tokenizer)
-    reward_model = reward_tokenizer = reward_fn = None
-    if args.reward_model_path:
-        reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, "reward_model_path", args)
-        if reward_model.config.num_labels != 1:
-            fail(f"--reward_model_path {args.reward_model_path!r} has {reward_model.config.num_labels} labels; "
-                 "a reward model has 1")
-        reward_tokenizer = load_tokenizer(args.reward_model_path, "reward_model_path", args)
-        if tokenizer.get_vocab().items() >= reward_tokenizer.get_vocab().items():
-            reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
-            fit_tokenizer(reward_model, tokenizer)
-        elif reward_tokenizer.pad_token is None:
-            reward_tokenizer.pad_token = reward_tokenizer.eos_token
-        reward_model.requires_grad_(False).eval().to(device, low_dtype)
-    elif args.reward_fn:
-        reward_fn = load_reward_fn(args.reward_fn)
-    else:
-        fail("no reward: give --reward_model_path or --reward_fn")
-    # the value model reads the policy's token ids: start from the reward model only if it shares the vocabulary
-    value_path = args.value_model_path or (args.reward_model_path if reward_model is not None and reward_tokenizer is None
-                                           else model_path)
-    value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args, num_labels=1)
-    if not hasattr(value_model, "score"):
-        fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
-             "(a *ForSequenceClassification of a causal LM)")
-    fit_tokenizer(value_model, tokenizer)
-    ref_policy.requires_grad_(False).eval().to(device, low_dtype)
-    policy.to(device)
-    value_model.to(device)
-    if args.gradient_checkpointing:
-        for model in (policy, value_model):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
-    # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
-    policy_head = None if fsdp else output_layer(policy)
-    ref_head = None if fsdp and args.shard_frozen_models else output_layer(ref_policy)
-    if fsdp:  # every rank keeps 1/world_size of these weights (and of their gradients and optimizer state)
-        for model in [policy, value_model] + ([ref_policy, reward_model] if args.shard_frozen_models else []):
-            if model is not None:
-                shard(model, frozen=model in (ref_policy, reward_model))
-    model = PolicyAndValue(policy, value_model, fused_head=policy_head is not None)
-    if distributed and not fsdp:  # DDP: whole models on every rank, gradients averaged by all-reduce
-        ddp = torch.nn.parallel.DistributedDataParallel
-        no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
-                          else "broadcast_buffers": False}  # buffers are constants: no collective per forward
-        model = ddp(model, device_ids=[local_rank] if device.type == "cuda" else None, **no_buffer_sync)
-
-    prompt_texts, prompt_ids, prompt_messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
-    if not prompt_texts:
-        fail(f"--dataset {dataset!r} holds no prompts")
-    if min(len(ids) for ids in prompt_ids) == 0:
-        fail(f"--dataset {dataset!r}: prompt {[len(i) for i in prompt_ids].index(0)} is empty after tokenization")
-    context = getattr(policy.config, "max_position_embeddings", None)
-    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    if context and len(prompt_ids[longest]) + args.response_length > context:
-        fail(f"--dataset: prompt {longest} has {len(prompt_ids[longest])} tokens, which with --response_length "
-             f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    # fp32 state; fused: 0.06 vs 0.40 s per step for 52M parameters on a 2-core CPU, timed alone
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-8, weight_decay=0.0,
-                                  fused=device.type in ("cpu", "cuda"))
-    schedule = lambda u: 1.0 - u / num_updates if args.anneal_lr else 1.0  # noqa: E731
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    if args.track and rank == 0:
-        try:
-            import wandb
-        except ImportError:
-            fail("--track needs `pip install wandb`")
-        wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir), config=asdict(args))
-    if rank == 0:
-        os.makedirs(output_dir, exist_ok=True)
-    sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
-    mode = f"{world_size} processes ({args.distributed}), " if distributed else ""
-    log(f"ppo_rlhf: {num_updates} updates of {global_batch_size} prompts ({mode}{batch_size} per device, "
-        f"{args.num_mini_batches} minibatches of {mini_batch_size}, micro-batches of {micro_batch_size}), "
-        f"{len(prompt_texts)} prompts, device {device}, {args.dtype}, output {output_dir}")
-
-    # --- resume: the newest checkpoint that loads; a damaged one is skipped with a warning, never half-loaded
-    start_update = 0
-    if args.resume:
-        candidates = [list_checkpoints(output_dir)[::-1] if args.resume == "auto" and os.path.isdir(output_dir) else (
-            [] if args.resume == "auto" else [args.resume])]
-        if distributed:  # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
-            dist.broadcast_object_list(candidates)
-        candidates = candidates[0]
-        for i, path in enumerate(candidates):
-            try:
-                start_update = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, world_size)
-                log(f"resumed from {path} after update {start_update}")
-                break
-            except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
-                if args.resume != "auto" or i == len(candidates) - 1:
-                    fail(f"--resume {path!r} cannot be loaded: {str(e).strip().splitlines()[0]}")
-                log(f"warning: skipping damaged checkpoint {path}: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        if not candidates and os.path.exists(metrics_path):
-            fail(f"--resume auto: {output_dir!r} has metrics.jsonl but no checkpoint to resume from")
-        if all_ranks_sum(torch.tensor([start_update], device=device)).item() != start_update * world_size:
-            fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
-                 "is --output_dir on a filesystem every node sees?")
-        if rank == 0 and os.path.exists(metrics_path):  # drop lines of updates after the checkpoint: no duplicate, no gap
-            with open(metrics_path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["update"] <= start_update]
-            with open(metrics_path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(metrics_path + ".tmp", metrics_path)
-    chunk = args.local_rollout_forward_batch_size
-    start_time, bad_updates, metrics = time.time(), 0, None
-    for update in range(start_update, num_updates):
-        update_start = time.perf_counter()
-        # each rank takes its own slice of the update's global batch, and its own seed (ints hash to themselves,
-        # so this is the same in every run): a resumed run continues exactly, with no RNG state to restore
-        rows = prompt_indices(len(prompt_ids), batch_size, update, args.seed, rank, world_size).tolist()
-        random.seed(hash((args.seed, update, rank)))
-        torch.manual_seed(hash((args.seed, update, rank)) % 2**63)
-        queries, query_mask = left_pad([prompt_ids[i] for i in rows], tokenizer.pad_token_id)
-        queries, query_mask = queries.to(device), query_mask.to(device)
-        B, P = queries.shape  # P = context_length: every response starts at column P
-        policy.eval(), value_model.eval()  # dropout is off anyway; eval() keeps the KV cache on under gradient checkpointing
-
-        # 1. rollout: sample responses with the current policy π_old, keeping log π_old of each sampled token
-        with no_grad(), autocast, gathered(policy, fsdp and args.rollout_unshard):
-            generated = [generate(policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
-                                  args.temperature, stop_token_id, tokenizer.pad_token_id,
-                                  sync_ranks=fsdp and not args.rollout_unshard) for i in range(0, B, chunk)]
-        R = max(r.shape[1] for r, _ in generated)
-        responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=tokenizer.pad_token_id) for r, _ in generated])
-        logprobs = torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated])
-        lengths = response_lengths(responses, stop_token_id)  # (B,) real tokens, stop token included
-        response_mask = torch.arange(R, device=device) < lengths[:, None]  # (B, R), True = real token
-        query_responses = torch.cat([queries, responses], 1)  # (B, P + R)
-        attention_mask = torch.cat([query_mask, response_mask], 1)
-        generate_time = time.perf_counter() - update_start
-
-        # 2. score: reference log-probs, values V(s_t), and the reward model's score of prompt + truncated response
-        completions = tokenizer.batch_decode([r[:n] for r, n in zip(responses.tolist(), lengths.tolist())], skip_special_tokens=True)
-        ref_logprobs = torch.zeros(B, R, device=device)
-        values = torch.zeros(B, R, device=device)
-        scores = torch.zeros(B, device=device)
-        with no_grad(), autocast:
-            for i in range(0, B, chunk):
-                rows_i = slice(i, i + chunk)
-                width = P + lengths[rows_i].max().item()  # trim the chunk to its longest real sequence
-                ids, mask = query_responses[rows_i, :width], attention_mask[rows_i, :width]
-                ref_logprobs[rows_i, : width - P] = response_logprobs(ref_policy, ids, mask, P, args.temperature, ref_head)[0]
-                values[rows_i, : width - P] = state_values(value_model, ids, mask, P)
-                if low_dtype:  # recompute log π_old with the training forward: the first ratio is then exactly 1
-                    logprobs[rows_i, : width - P] = response_logprobs(policy, ids, mask, P, args.temperature, policy_head)[0]
-                if reward_model is not None and reward_tokenizer is None:
-                    token_scores = forward(reward_model, ids, mask, width - P)  # (b, L): score after each token
-                    scores[rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
-        if reward_model is not None and reward_tokenizer is not None:  # re-tokenize the text for the reward model
-            texts = [reward_tokenizer.apply_chat_template(prompt_messages[r] + [{"role": "assistant", "content": c}], tokenize=False)
-                     if prompt_messages[r] is not None and reward_tokenizer.chat_template else prompt_texts[r] + c
-                     for r, c in zip(rows, completions)]
-            with no_grad(), autocast:
-                scores = torch.cat([score_texts(reward_model, reward_tokenizer, texts[i : i + chunk],
-                                                add_special_tokens=prompt_messages[rows[i]] is None) for i in range(0, B, chunk)])
-        elif reward_fn is not None:
-            scores = check_scores(reward_fn([prompt_texts[r] for r in rows], completions), B, f"--reward_fn {args.reward_fn}").to(device)
-        contains_eos = ((responses == tokenizer.eos_token_id) & response_mask).any(1)
-        raw_scores = scores.clone()
-        if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * (~contains_eos).float()
-        score_time = time.perf_counter() - update_start - generate_time
-
-        # 3. KL and rewards: r_t = −β·KL_t per token, plus the score on the last real token
-        logprobs, ref_logprobs = logprobs.masked_fill(~response_mask, 0.0), ref_logprobs.masked_fill(~response_mask, 0.0)
-        kl = torch.where(response_mask, kl_penalty(logprobs, ref_logprobs, args.kl_estimator), 0.0)  # (B, R)
-        rewards = per_token_rewards(scores, kl, response_mask, args.kl_coef)
-        if args.whiten_rewards:
-            rewards = torch.where(response_mask, masked_whiten(rewards, response_mask, shift_mean=False), 0.0)
-
-        # 4. advantages: GAE, then whitened over the batch's real tokens
-        advantages, returns = gae(rewards, values, response_mask, args.gamma, args.lam)
-        advantages = torch.where(response_mask, masked_whiten(advantages, response_mask), 0.0)
-
-        # 5. PPO epochs: num_ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each
-        policy.train(), value_model.train()
-        batch = dict(query_responses=query_responses, attention_mask=attention_mask, context_length=P, response_mask=response_mask,
-                     lengths=lengths, logprobs=logprobs, values=values, advantages=advantages, returns=returns)
-        stats, stop_reason, optimizer_steps, train_tokens = ppo_epochs(model, optimizer, scaler, autocast, batch, args)
-        lr = lr_scheduler.get_last_lr()[0]
-        lr_scheduler.step()
-        train_time = time.perf_counter() - update_start - generate_time - score_time
-        if stop_reason in ("non-finite loss", "non-finite gradient"):
-            bad_updates += 1
-            log(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr)
-            if bad_updates >= 3:
-                fail(f"{bad_updates} updates in a row had a non-finite loss or gradient; lower --learning_rate, "
-                     "check the reward scale, or use --dtype fp32")
-        else:
-            bad_updates = 0
-
-        # 6. log: TRL's metric names; per-sequence sums averaged over the batch, training stats over all micro-batches,
-        #    both over all ranks (token and EOS counts summed); times and memory are rank 0's
-        update_time = time.perf_counter() - update_start
-        peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
+    def update(self, update, lr, metrics, token_counts, clock, batch, prompts, rows):
+        """Write one update's metrics with its times; print its line (with the time so far and the time left) and
+        some samples. -> the whole metrics."""
+        t, num_updates, update = clock.laps, self.sizes.num_updates, update + 1
+        self.first_update = update - 1 if self.first_update is None else self.first_update
+        elapsed = time.time() - self.start_time
+        eta = elapsed / (update - self.first_update) * (num_updates - update)
+        peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.device.type == "cuda"
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # Linux: KiB
-        averaged = {
-            "objective/kl": kl.sum(1).mean(),
-            "objective/entropy": (-logprobs).sum(1).mean(),
-            "objective/non_score_reward": (-args.kl_coef * kl).sum(1).mean(),
-            "objective/rlhf_reward": (scores - args.kl_coef * kl.sum(1)).mean(),
-            "objective/scores": scores.mean(),
-            "val/explained_variance": explained_variance(values, returns, response_mask),  # already global
-            "val/mean_response_length": lengths.float().mean(),
-            **{key: torch.stack(batch_values).mean() for key, batch_values in stats.items()},
-            "policy/epochs": optimizer_steps / args.num_mini_batches,
-        }
-        if stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
-            averaged["policy/first_ratio"], averaged["policy/first_approxkl"] = stats["val/ratio"][0], stats["policy/approxkl_avg"][0]
-        if reward_fn is not None and args.reward_fn == Args.reward_fn:  # the built-in task: exactly the sum, then EOS
-            averaged["objective/success_rate"] = (raw_scores == 1).float().mean()
-        summed = {"val/num_eos_tokens": contains_eos.sum(), "rollout": response_mask.sum(), "score": attention_mask.sum(),
-                  "train": train_tokens}
-        reduced = all_ranks_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device)
-                                             for v in [*averaged.values(), *summed.values()]])).tolist()
-        averaged = {key: value / world_size for key, value in zip(averaged, reduced)}
-        summed = dict(zip(summed, reduced[len(averaged):]))
-        metrics = {
-            "update": update + 1,
-            "episode": (update + 1) * global_batch_size,
-            "eps": (update + 1) * global_batch_size / (time.time() - start_time),
-            "lr": lr,
-            **averaged,
-            "val/num_eos_tokens": summed["val/num_eos_tokens"],
-            "time/update_s": update_time,
-            "time/generate_s": generate_time,
-            "time/score_s": score_time,
-            "time/train_s": train_time,
-            "time/rollout_tokens_per_s": summed["rollout"] / generate_time,  # all ranks' tokens
-            "time/score_tokens_per_s": summed["score"] / score_time,
-            "time/train_tokens_per_s": summed["train"] / max(train_time, 1e-9),
-            "memory/peak_mib": peak_memory,
-        }
-        if rank == 0:
-            with open(metrics_path, "a") as f:  # one whole line per update, written when the update is done
+        metrics = self.last = {
+            "update": update, "episode": update * self.sizes.batch_size, "eps": (update - self.first_update) * self.sizes.batch_size / elapsed,
+            "lr": lr, **metrics, "time/update_s": time.perf_counter() - clock.start, "time/generate_s": t["generate"],
+            "time/score_s": t["score"], "time/train_s": t["train"],
+            "time/rollout_tokens_per_s": token_counts["rollout"] / t["generate"],  # all ranks' tokens
+            "time/score_tokens_per_s": token_counts["score"] / t["score"],
+            "time/train_tokens_per_s": token_counts["train"] / max(t["train"], 1e-9), "memory/peak_mib": peak_memory}
+        if self.rank == 0:
+            with open(self.metrics_path, "a") as f:  # one whole line per update, written when the update is done
                 f.write(json.dumps(metrics) + "\n")
-            if args.track:
-                wandb.log(metrics, step=update + 1)
-        success = f"success {metrics['objective/success_rate']:4.0%}  " if "objective/success_rate" in metrics else ""
-        log(f"update {update + 1}/{num_updates}  {success}score {metrics['objective/scores']:.3f}  "
-            f"kl {metrics['objective/kl']:.3f}  approxkl {metrics.get('policy/approxkl_avg', float('nan')):.4f}  "
-            f"clipfrac {metrics.get('policy/clipfrac_avg', float('nan')):.3f}  "
-            f"vloss {metrics.get('loss/value_avg', float('nan')):.4f}  ev {metrics['val/explained_variance']:.2f}  "
-            f"len {metrics['val/mean_response_length']:.1f}  | {update_time:.2f}s: generate {generate_time:.2f}  "
-            f"score {score_time:.2f}  train {train_time:.2f}  | {peak_memory:.0f} MiB")
-        if sample_every and (update % sample_every == 0 or update == num_updates - 1):
-            for r, c, s in list(zip(rows, completions, scores.tolist()))[:3]:
-                log(f"    {prompt_texts[r]!r} -> {c!r}  score {s:.2f}")
+            if self.args.track:
+                import wandb
+                wandb.log(metrics, step=update)
+        m = metrics
+        success = f"success {m['objective/success_rate']:4.0%}  " if "objective/success_rate" in m else ""
+        self.print(f"update {update}/{num_updates}  {success}score {m['objective/scores']:.3f}  "
+                   f"kl {m['objective/kl']:.3f}  approxkl {m.get('policy/approxkl_avg', float('nan')):.4f}  "
+                   f"clipfrac {m.get('policy/clipfrac_avg', float('nan')):.3f}  "
+                   f"vloss {m.get('loss/value_avg', float('nan')):.4f}  ev {m['val/explained_variance']:.2f}  "
+                   f"len {m['val/mean_response_length']:.1f}  | {m['time/update_s']:.2f}s: generate "
+                   f"{m['time/generate_s']:.2f}  score {m['time/score_s']:.2f}  train {m['time/train_s']:.2f}  | "
+                   f"{m['memory/peak_mib']:.0f} MiB  | {duration(elapsed)}, eta {duration(eta)}")
+        if self.sample_every and ((update - 1) % self.sample_every == 0 or update == num_updates):
+            for r, c, s in list(zip(rows, batch["completions"], batch["scores"].tolist()))[:3]:
+                self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
 
-        stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=device)).item() > 0  # a signal on any rank
-        if stop or (args.save_every and (update + 1) % args.save_every == 0):
-            path = save_checkpoint(output_dir, update + 1, model, optimizer, lr_scheduler, scaler, args, world_size)
-            if stop:
-                log(f"saved {path}; continue with the same flags plus --resume auto")
-                return metrics
-    weights = full_state_dict(model)  # a collective: every rank takes part, rank 0 writes
-    if rank == 0:
-        for name, part in (("policy", policy), ("value_model", value_model)):
-            state_dict = {key.split(".", 1)[1]: value for key, value in weights.items() if key.startswith(name + ".")}
-            save_pretrained_atomic(part, state_dict, tokenizer, os.path.join(output_dir, name))
-        log(f"saved policy and value model to {output_dir}")
-        if args.track:
+    def finish(self, message):
+        self.print(message)
+        if self.args.track and self.rank == 0:
+            import wandb
             wandb.finish()
-    return metrics
 
 
 if __name__ == "__main__":

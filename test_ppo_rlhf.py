@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -133,18 +132,20 @@ def test_masked_stats_match_torch_on_the_real_entries(seed):
     mask = random_mask((5, 9), seed)
     real = x[mask]
     assert torch.allclose(P.masked_mean(x, mask), real.mean())
-    assert torch.allclose(P.masked_mean(x, mask, dim=1), torch.stack([r[m].mean() for r, m in zip(x, mask)]))
     assert torch.allclose(P.masked_var(x, mask), real.var(unbiased=True))
+    mean, var = P.global_mean_var(x, mask)  # one process: the batch's own statistics
+    assert torch.allclose(mean, real.mean()) and torch.allclose(var, real.var(unbiased=True))
     one = torch.zeros_like(mask)
     one[0, 0] = True
-    assert P.masked_var(x, one) == 0 and torch.isfinite(P.masked_whiten(x, one)).all()
-    white = P.masked_whiten(x, mask)
-    assert torch.allclose(white[mask], (real - real.mean()) / (real.var() + 1e-8).sqrt())
+    assert P.masked_var(x, one) == 0 and P.global_mean_var(x, one)[1] == 0
+    assert torch.isfinite(P.masked_whiten(x, one, *P.global_mean_var(x, one))).all()
+    white = P.masked_whiten(x, mask, mean, var)
+    assert torch.allclose(white[mask], (real - real.mean()) / (real.var() + 1e-8).sqrt()) and (white[~mask] == 0).all()
     assert torch.allclose(white[mask].mean(), torch.tensor(0.0, dtype=torch.float64), atol=1e-12)
-    scaled = P.masked_whiten(x, mask, shift_mean=False)
+    scaled = P.masked_whiten(x, mask, mean, var, shift_mean=False)
     assert torch.allclose(scaled[mask], (real - real.mean()) / (real.var() + 1e-8).sqrt() + real.mean())
     x_nan = x.masked_fill(~mask, float("nan"))  # what sits under the mask never leaks in
-    assert torch.allclose(P.masked_whiten(x_nan, mask)[mask], white[mask])
+    assert torch.allclose(P.masked_whiten(x_nan, mask, *P.global_mean_var(x_nan, mask)), white)
 
 
 @pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.3)])
@@ -241,17 +242,17 @@ def test_first_true_index_and_response_lengths():
 def test_kl_estimators():
     gen = torch.Generator().manual_seed(0)
     logp, ref = torch.randn(1000, dtype=torch.float64, generator=gen), torch.randn(1000, dtype=torch.float64, generator=gen)
-    assert torch.allclose(P.kl_penalty(logp, ref, "k1"), logp - ref)
-    k3 = P.kl_penalty(logp, ref, "k3")
+    assert torch.allclose(P.kl_estimate(logp, ref, "k1"), logp - ref)
+    k3 = P.kl_estimate(logp, ref, "k3")
     assert (k3 >= 0).all() and torch.allclose(k3, (ref - logp).exp() - 1 - (ref - logp))
-    assert P.kl_penalty(logp, logp, "k1").abs().max() == 0 and P.kl_penalty(logp, logp, "k3").abs().max() == 0
+    assert P.kl_estimate(logp, logp, "k1").abs().max() == 0 and P.kl_estimate(logp, logp, "k3").abs().max() == 0
     # both are unbiased: averaged over tokens sampled from p they give KL(p‖q) of the closed form
     p_logits, q_logits = torch.randn(6, dtype=torch.float64, generator=gen), torch.randn(6, dtype=torch.float64, generator=gen)
     log_p, log_q = p_logits.log_softmax(0), q_logits.log_softmax(0)
     exact = (log_p.exp() * (log_p - log_q)).sum()
     samples = torch.multinomial(log_p.exp(), 400_000, replacement=True, generator=gen)
     for estimator in ("k1", "k3"):
-        estimate = P.kl_penalty(log_p[samples], log_q[samples], estimator).mean()
+        estimate = P.kl_estimate(log_p[samples], log_q[samples], estimator).mean()
         assert abs(estimate - exact) < 0.01, (estimator, estimate, exact)
 
 
@@ -360,9 +361,11 @@ def test_value_loss_values_and_gradients():
 def test_explained_variance():
     target = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     mask = random_mask((3, 5), 4)
-    assert torch.isclose(P.explained_variance(target, target, mask), torch.tensor(1.0, dtype=torch.float64))
-    constant = torch.full_like(target, target[mask].mean().item())
-    assert torch.isclose(P.explained_variance(constant, target, mask), torch.tensor(0.0, dtype=torch.float64))
+    ev = lambda predicted: P.explained_variance(P.global_mean_var(target - predicted, mask)[1],  # noqa: E731
+                                                P.global_mean_var(target, mask)[1])
+    assert torch.isclose(ev(target), torch.tensor(1.0, dtype=torch.float64))
+    assert torch.isclose(ev(torch.full_like(target, target[mask].mean().item())), torch.tensor(0.0, dtype=torch.float64))
+    assert torch.isclose(ev(0.5 * target), 1 - (0.5 * target[mask]).var() / target[mask].var())
 
 
 def test_prompt_stream_is_reshuffled_passes_without_repeats():
@@ -395,10 +398,10 @@ def test_everything_after_the_stop_token_is_masked_out():
         fill = lambda x: torch.where(mask, x, junk)  # noqa: E731
         g = torch.Generator().manual_seed(6)
         logp, ref, values, new_logp, new_values = (fill(torch.randn(3, 6, generator=g)) for _ in range(5))
-        kl = torch.where(mask, P.kl_penalty(logp, ref, "k3"), 0.0)
+        kl = torch.where(mask, P.kl_estimate(logp, ref, "k3"), 0.0)
         rewards = P.per_token_rewards(torch.tensor([1.0, -1.0, 0.5]), kl, mask, 0.1)
         advantages, returns = P.gae(rewards, values, mask, 1.0, 0.95)
-        advantages = torch.where(mask, P.masked_whiten(advantages, mask), 0.0)
+        advantages = P.masked_whiten(advantages, mask, *P.global_mean_var(advantages, mask))
         pg = P.policy_loss(new_logp, logp, advantages, mask, 0.2)
         vf = P.value_loss(new_values, values, returns, mask, 0.2)
         return torch.stack([*pg, *vf]), rewards, advantages, returns
@@ -628,8 +631,8 @@ def test_bad_input_gets_a_one_line_error_and_writes_nothing(tiny, tmp_path, case
 
 
 def test_bad_input_on_the_command_line_has_no_traceback(tmp_path):
-    result = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", "/no/such/model", "--dataset", "/x.txt",
-                             "--output_dir", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", "/no/such/model", "--output_dir",
+                             str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: --model_name_or_path")
 
@@ -796,13 +799,18 @@ def spawn_2(worker, *args):
     torch.multiprocessing.spawn(worker, args=(free_port(), *args), nprocs=2, join=True)
 
 
+def whitened(x, mask):
+    """Advantage whitening as main() does it, and explained variance, with global_mean_var's statistics."""
+    return (P.masked_whiten(x, mask, *P.global_mean_var(x, mask)),
+            P.masked_whiten(x, mask, *P.global_mean_var(x, mask), shift_mean=False),
+            P.explained_variance(P.global_mean_var(x - 0.5 * x, mask)[1], P.global_mean_var(x, mask)[1]))
+
+
 def whiten_worker(rank, port, data_file, out_file):
     init_gloo(rank, port)
     x, mask = torch.load(data_file)
     half = slice(rank * 5, rank * 5 + 5)
-    result = (P.masked_whiten(x[half], mask[half]), P.masked_whiten(x[half], mask[half], shift_mean=False),
-              P.explained_variance(x[half] * 0.5, x[half], mask[half]))
-    torch.save(result, f"{out_file}.{rank}")
+    torch.save(whitened(x[half], mask[half]), f"{out_file}.{rank}")
     torch.distributed.destroy_process_group()
 
 
@@ -813,35 +821,41 @@ def test_whitening_over_two_ranks_equals_whitening_over_the_concatenated_batch(t
     torch.save((x, mask), tmp_path / "data.pt")
     spawn_2(whiten_worker, str(tmp_path / "data.pt"), str(tmp_path / "out"))
     ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
-    whole = P.masked_whiten(x, mask), P.masked_whiten(x, mask, shift_mean=False), P.explained_variance(x * 0.5, x, mask)
+    whole = whitened(x, mask)
     for r in range(2):
         half = slice(r * 5, r * 5 + 5)
-        assert torch.allclose(ranks[r][0][mask[half]], whole[0][half][mask[half]], atol=1e-12)
-        assert torch.allclose(ranks[r][1][mask[half]], whole[1][half][mask[half]], atol=1e-12)
+        assert torch.allclose(ranks[r][0], whole[0][half], atol=1e-12)
+        assert torch.allclose(ranks[r][1], whole[1][half], atol=1e-12)
         assert torch.allclose(ranks[r][2], whole[2], atol=1e-12)
-    local = P.masked_whiten(x[:5], mask[:5])  # the test has teeth: whitening with one rank's statistics differs
+    local = whitened(x[:5], mask[:5])[0]  # the test has teeth: whitening with one rank's statistics differs
     assert (local[mask[:5]] - whole[0][:5][mask[:5]]).abs().max() > 1e-3
 
 
-def fixed_rollout(tiny, batch_size):
-    """A rollout from the tiny GPT-2 with varied response lengths, values and whitened advantages, as main() makes."""
-    policy, value_model = loaded(tiny, "gpt2"), loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")
-    gen = torch.Generator().manual_seed(3)
-    queries, query_mask = P.left_pad([torch.randint(3, 40, (int(n),), generator=gen).tolist()
-                                      for n in torch.randint(2, 6, (batch_size,), generator=gen)], pad_token_id=0)
-    torch.manual_seed(4)
-    with torch.no_grad():
-        responses, logprobs = P.generate(policy, queries, query_mask, 6, 1.0, stop_token_id=None, pad_token_id=0)
-        lengths = torch.randint(1, 7, (batch_size,), generator=gen)
-        response_mask = torch.arange(6) < lengths[:, None]
-        query_responses, attention_mask = torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1)
-        values = P.state_values(value_model, query_responses, attention_mask, queries.shape[1])
-        rewards = torch.where(response_mask, torch.randn(batch_size, 6, generator=gen), 0.0)
-        advantages, returns = P.gae(rewards, values, response_mask, 1.0, 0.95)
-    return dict(query_responses=query_responses, attention_mask=attention_mask, context_length=queries.shape[1],
-                response_mask=response_mask, lengths=lengths, logprobs=logprobs.masked_fill(~response_mask, 0.0),
-                values=values, advantages=P.masked_whiten(advantages, response_mask).masked_fill(~response_mask, 0.0),
-                returns=returns)
+def spy_on_updates(monkeypatch):
+    """Record what main() hands to ppo_epochs: the batch of phases 1-4, and π_θ's log-probs and V on it before the
+    update (teacher-forced, by the model being trained). -> the list it fills."""
+    calls, real = [], P.ppo_epochs
+
+    def spy(model, optimizer, scaler, batch, args, sizes, rt):
+        with torch.no_grad():
+            logprobs, _, values = model(batch["query_responses"], batch["attention_mask"], batch["context_length"],
+                                        args.temperature)
+        calls.append(({k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}, logprobs, values, args))
+        return real(model, optimizer, scaler, batch, args, sizes, rt)
+
+    monkeypatch.setattr(P, "ppo_epochs", spy)
+    return calls
+
+
+def fixed_rollout(tiny, tmp_path, batch_size):
+    """The batch of one update of main() on the tiny GPT-2 (phases 1-4: rollout, score, rewards, advantages), with
+    response lengths cut short by a frequent stop token."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = spy_on_updates(monkeypatch)
+        P.main(run_args(tiny, tmp_path, total_episodes=batch_size, per_device_train_batch_size=batch_size,
+                        stop_token_id=5, seed=3))
+    return {k: v for k, v in calls[0][0].items() if k in ("query_responses", "attention_mask", "context_length",
+            "response_mask", "lengths", "logprobs", "values", "advantages", "returns")}
 
 
 def one_update(tiny, batch, mode, gradient_accumulation_steps):
@@ -853,11 +867,14 @@ def one_update(tiny, batch, mode, gradient_accumulation_steps):
     if mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
-    args = P.Args(num_ppo_epochs=2, num_mini_batches=1, gradient_accumulation_steps=gradient_accumulation_steps)
+    args = P.Args(num_ppo_epochs=2, num_mini_batches=1, per_device_train_batch_size=len(batch["lengths"]),
+                  gradient_accumulation_steps=gradient_accumulation_steps)
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rt = P.Runtime(world_size=world_size, torchrun=world_size > 1, fsdp=mode == "fsdp")
     torch.manual_seed(0)
-    stats, stop_reason, steps, _ = P.ppo_epochs(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), nullcontext(),
-                                                batch, args)
-    assert stop_reason is None and steps == 2
+    trained = P.ppo_epochs(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batch, args,
+                           P.check_args(args), rt)
+    assert trained.stop_reason is None and trained.optimizer_steps == 2
     return P.full_state_dict(model)
 
 
@@ -875,7 +892,7 @@ def update_worker(rank, port, tiny, batch_file, mode, out_file):
 @needs_gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_with_half_the_batch_make_the_same_update_as_one_rank(tiny, tmp_path, mode):
-    batch = fixed_rollout(tiny, 8)
+    batch = fixed_rollout(tiny, tmp_path, 8)
     assert batch["lengths"][:4].sum() != batch["lengths"][4:].sum()  # unequal token counts: the loss weighting matters
     torch.save(batch, tmp_path / "batch.pt")
     spawn_2(update_worker, tiny, str(tmp_path / "batch.pt"), mode, str(tmp_path / "weights.pt"))
