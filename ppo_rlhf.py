@@ -399,10 +399,9 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
 
 
 def rollout(models, queries, query_mask, args, rt):
-    """Phase 1: sample a response to each query (B, P) with the current policy π_old, local_rollout_forward_batch_size
-    rows at a time, keeping log π_old of each sampled token. -> the batch: query_responses (B, P + R),
-    attention_mask, response_mask (B, R; True = real token, the stop token included), lengths (B,), contains_eos
-    (B,), logprobs (B, R; 0 on padding) and context_length P, where every response starts."""
+    """Phase 1: sample a response to each query (B, P) with the current policy π_old, keeping log π_old of each
+    sampled token. -> the batch: query_responses (B, P + R), attention_mask, response_mask (B, R; True = real token,
+    the stop token included), lengths and contains_eos (B,), logprobs (B, R; 0 on padding), context_length P."""
     chunk, pad, stop = args.local_rollout_forward_batch_size, models.tokenizer.pad_token_id, models.stop_token_id
     with rt.no_grad(), rt.autocast(), gathered(models.policy, rt.fsdp and args.rollout_unshard):
         generated = [generate(models.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
@@ -412,66 +411,58 @@ def rollout(models, queries, query_mask, args, rt):
     responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad) for r, _ in generated])
     lengths = response_lengths(responses, stop)
     response_mask = torch.arange(R, device=responses.device) < lengths[:, None]
-    return dict(query_responses=torch.cat([queries, responses], 1),
+    return dict(query_responses=torch.cat([queries, responses], 1), context_length=queries.shape[1],
                 attention_mask=torch.cat([query_mask, response_mask], 1), response_mask=response_mask,
                 lengths=lengths, contains_eos=((responses == models.tokenizer.eos_token_id) & response_mask).any(1),
-                logprobs=torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated]),
-                context_length=queries.shape[1])
+                logprobs=torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated]))
 
 
 def score(models, batch, prompts, rows, args, rt):
-    """Phase 2: one no-grad forward of each frozen model over prompt + response, local_rollout_forward_batch_size
-    rows at a time, each chunk cut to its longest real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on
-    padding), the decoded completions, and raw_scores (B,): the reward model's at the last real token (or of the
-    re-tokenized text, for a reward model with its own tokenizer), or the reward function's. With bf16/fp16 autocast,
-    batch["logprobs"] is recomputed by the training forward, so that the first ratio ρ is exactly 1."""
-    chunk, P, lengths = args.local_rollout_forward_batch_size, batch["context_length"], batch["lengths"]
-    mask = batch["response_mask"]
-    ref_logprobs, values, raw_scores = torch.zeros(mask.shape), torch.zeros(mask.shape), torch.zeros(len(mask))
-    ref_logprobs, values, raw_scores = ref_logprobs.to(rt.device), values.to(rt.device), raw_scores.to(rt.device)
+    """Phase 2: a no-grad forward of each frozen model over prompt + response, each chunk of rows cut to its longest
+    real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on padding), the completions' text, and raw_scores
+    (B,): the reward model's at the last real token (or on the text, with its own tokenizer), or the reward
+    function's. With bf16/fp16, log π_old is recomputed by the training forward: the first ratio is then exactly 1."""
+    P, lengths, mask, logprobs = batch["context_length"], batch["lengths"], batch["response_mask"], batch["logprobs"]
+    ref_logprobs, values = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, R)
+    raw_scores, chunk = torch.zeros(len(mask), device=rt.device), args.local_rollout_forward_batch_size
     with rt.no_grad(), rt.autocast():
         for i in range(0, len(mask), chunk):
-            rows_i, width = slice(i, i + chunk), P + lengths[i : i + chunk].max().item()  # trimmed to real tokens
-            ids, ids_mask = batch["query_responses"][rows_i, :width], batch["attention_mask"][rows_i, :width]
-            ref_logprobs[rows_i, : width - P] = response_logprobs(models.ref_policy, ids, ids_mask, P,
-                                                                  args.temperature, models.ref_head)[0]
-            values[rows_i, : width - P] = state_values(models.value_model, ids, ids_mask, P)
+            rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # cut to the longest real response
+            ids, ids_mask = batch["query_responses"][rows_i, : P + L], batch["attention_mask"][rows_i, : P + L]
+            ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, P, args.temperature,
+                                                         models.ref_head)[0]
+            values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, P)
             if rt.low_dtype:
-                batch["logprobs"][rows_i, : width - P] = response_logprobs(models.policy, ids, ids_mask, P,
-                                                                           args.temperature, models.policy_head)[0]
-            if models.reward_model is not None and models.reward_tokenizer is None:  # score after each token (b, L)
-                token_scores = forward(models.reward_model, ids, ids_mask, width - P)
+                logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask, P, args.temperature,
+                                                         models.policy_head)[0]
+            if models.reward_model is not None and models.reward_tokenizer is None:  # read at the last real token
+                token_scores = forward(models.reward_model, ids, ids_mask, L)  # (b, L): the score after each token
                 raw_scores[rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
-    responses = batch["query_responses"][:, P:].tolist()
-    completions = models.tokenizer.batch_decode([r[:n] for r, n in zip(responses, lengths.tolist())],
-                                                skip_special_tokens=True)
-    if models.reward_tokenizer is not None:  # the reward model reads the text with its own tokenizer
-        with rt.no_grad(), rt.autocast():
-            raw_scores = torch.cat([score_texts(models.reward_model, models.reward_tokenizer, texts, add_special_tokens)
-                                    for texts, add_special_tokens in reward_texts(prompts, rows, completions, chunk,
-                                                                                  models.reward_tokenizer)])
-    elif models.reward_fn is not None:
+        responses = [r[P : P + n] for r, n in zip(batch["query_responses"].tolist(), lengths.tolist())]
+        completions = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        if models.reward_tokenizer is not None:
+            raw_scores = torch.cat([score_texts(models.reward_model, models.reward_tokenizer, prompts,
+                                                rows[i : i + chunk], completions[i : i + chunk])
+                                    for i in range(0, len(rows), chunk)])
+    if models.reward_fn is not None:
         raw_scores = check_scores(models.reward_fn([prompts.texts[r] for r in rows], completions), len(mask),
                                   f"--reward_fn {args.reward_fn or 'addition_reward'}").to(rt.device)
-    return dict(logprobs=batch["logprobs"].masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
+    return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
                 values=values, completions=completions, raw_scores=raw_scores)
 
 
-def reward_texts(prompts, rows, completions, chunk, reward_tokenizer):
-    """Prompt + completion as text for a reward model with its own tokenizer, in chunks: chat prompts through its
-    chat template (if it has one). -> (texts, add_special_tokens) per chunk."""
-    texts = [reward_tokenizer.apply_chat_template(prompts.messages[r] + [{"role": "assistant", "content": c}],
-                                                  tokenize=False)
-             if prompts.messages[r] is not None and reward_tokenizer.chat_template else prompts.texts[r] + c
-             for r, c in zip(rows, completions)]
-    return [(texts[i : i + chunk], prompts.messages[rows[i]] is None) for i in range(0, len(texts), chunk)]
-
-
-def score_texts(reward_model, reward_tokenizer, texts, add_special_tokens):
-    """Scores of a reward model with its own tokenizer, on the decoded text (B,). A decoder's `score` head is read at
-    the last real token; an encoder classifier pools by itself."""
+def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
+    """Scores (B,) of a reward model with its own tokenizer, which reads prompt + completion as text (a chat prompt
+    through its chat template, if it has one). A decoder's `score` head is read at the last real token; an encoder
+    classifier pools by itself."""
+    def text(r, c):
+        if prompts.messages[r] is not None and reward_tokenizer.chat_template:
+            return reward_tokenizer.apply_chat_template(prompts.messages[r] + [{"role": "assistant", "content": c}],
+                                                        tokenize=False)
+        return prompts.texts[r] + c
     device = next(reward_model.parameters()).device
-    enc = reward_tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=add_special_tokens).to(device)
+    enc = reward_tokenizer([text(r, c) for r, c in zip(rows, completions)], padding=True, return_tensors="pt",
+                           add_special_tokens=prompts.messages[rows[0]] is None).to(device)
     mask = enc["attention_mask"].bool()
     if not hasattr(reward_model, "score"):
         return reward_model(**enc).logits[:, 0].float()
@@ -631,7 +622,7 @@ def main(args: Args):
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
         metrics, token_counts = update_metrics(batch, trained, models, args, rt)
         log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows.tolist())
-        stop = stop_requested(rt)  # a signal reached some rank: all stop after this update
+        stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # a signal on any rank
         if stop or (args.save_every and (update + 1) % args.save_every == 0):
             path = save_checkpoint(output_dir, update + 1, bad_updates, model, optimizer, lr_scheduler, scaler, args, rt)
             if stop:
@@ -1135,24 +1126,19 @@ def full_state_dict(model, optimizer=None):
 
 
 def save_final(model, models, output_dir, rt):
-    """The trained policy and value model, whole, as `from_pretrained` folders (every rank gathers, rank 0 writes)."""
+    """The trained policy and value model, whole, as from_pretrained folders (every rank gathers, rank 0 writes).
+    Each is written to a .tmp folder and swapped in: a crash never leaves a half-written model."""
     weights = full_state_dict(model)
-    if rt.rank == 0:
-        for name, part in (("policy", models.policy), ("value_model", models.value_model)):
-            state_dict = {key.split(".", 1)[1]: value for key, value in weights.items() if key.startswith(name + ".")}
-            save_pretrained_atomic(part, state_dict, models.tokenizer, os.path.join(output_dir, name))
-
-
-def save_pretrained_atomic(model, state_dict, tokenizer, path):
-    """save_pretrained into path.tmp, then swap it in: a crash never leaves a half-written model at `path`."""
-    tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    for name, part in (("policy", models.policy), ("value_model", models.value_model)) if rt.rank == 0 else ():
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        part.save_pretrained(path + ".tmp", state_dict={key.split(".", 1)[1]: value for key, value in weights.items()
+                                                        if key.startswith(name + ".")})
+        models.tokenizer.save_pretrained(path + ".tmp")
+        if os.path.exists(path):
+            os.replace(path, path + ".old")
+        os.replace(path + ".tmp", path)
+        shutil.rmtree(path + ".old", ignore_errors=True)
 
 
 def list_checkpoints(output_dir):
@@ -1259,22 +1245,15 @@ def request_stop(signum, frame):
           flush=True)
 
 
-def stop_requested(rt):
-    """A stop signal reached some rank (a collective: all ranks stop together)."""
-    return all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
-
-
 # ------------------------------------------------------------------------------------------ logging (systems)
 class Clock:
-    """Seconds per phase of one update: lap(name) ends the phase that ran since the previous lap."""
+    """Seconds per phase of one update: lap(name) closes the phase that ran since the previous lap."""
 
     def __init__(self):
-        self.start = self.last = time.perf_counter()
-        self.laps = {}
+        self.start, self.laps = time.perf_counter(), {}
 
     def lap(self, name):
-        now = time.perf_counter()
-        self.laps[name], self.last = now - self.last, now
+        self.laps[name] = time.perf_counter() - self.start - sum(self.laps.values())
 
 
 def update_metrics(batch, trained, models, args, rt):
@@ -1304,80 +1283,71 @@ def update_metrics(batch, trained, models, args, rt):
     return {**averaged, "val/num_eos_tokens": summed.pop("val/num_eos_tokens")}, summed
 
 
-def duration(seconds):
-    """3725 -> '1h02m05s'; 65 -> '1m05s'; 5 -> '5s'."""
-    h, m, s = int(seconds // 3600), int(seconds % 3600 // 60), int(seconds % 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
-
-
 class Logger:
-    """Rank 0 prints one line per update and appends one JSON object per update to metrics.jsonl (and to wandb with
-    --track); a few sample completions num_sample_generations times over the run."""
+    """Rank 0 prints a start line and a line per update (and sample completions num_sample_generations times), and
+    appends one JSON object per update to metrics.jsonl (and sends it to wandb with --track)."""
 
     def __init__(self, args, output_dir, sizes, rt, num_prompts):
-        self.rank, self.device, self.args, self.sizes, self.last = rt.rank, rt.device, args, sizes, None
-        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
-        n = args.num_sample_generations
+        self.args, self.sizes, self.rt, self.last, self.first_update = args, sizes, rt, None, None
+        self.path, n, self.wandb = os.path.join(output_dir, "metrics.jsonl"), args.num_sample_generations, None
         self.sample_every = max(1, sizes.num_updates // n) if n else 0
-        if args.track and self.rank == 0:
+        if args.track and rt.rank == 0:
             try:
                 import wandb
             except ImportError:
                 fail("--track needs `pip install wandb`")
+            self.wandb = wandb
             wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir), config=asdict(args))
-        if self.rank == 0:
+        if rt.rank == 0:
             os.makedirs(output_dir, exist_ok=True)
         mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
-        self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} prompts ({mode}"
-                   f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
-                   f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
-                   f"device {rt.device}, {args.dtype}, output {output_dir}")
-        self.start_time, self.first_update = time.time(), None
+        self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} prompts ({mode}{sizes.local_batch_size}"
+                   f" per device, {args.num_mini_batches} minibatches of {sizes.local_mini_batch_size}, micro-batches of "
+                   f"{sizes.micro_batch_size}), {num_prompts} prompts, device {rt.device}, {args.dtype}, output {output_dir}")
+        self.start_time = time.time()
 
     def print(self, *lines, file=sys.stdout):
-        if self.rank == 0:
+        if self.rt.rank == 0:
             print(*lines, file=file, flush=True)
 
     def update(self, update, lr, metrics, token_counts, clock, batch, prompts, rows):
-        """Write one update's metrics with its times; print its line (with the time so far and the time left) and
-        some samples. -> the whole metrics."""
-        t, num_updates, update = clock.laps, self.sizes.num_updates, update + 1
+        """One update's metrics with its times and memory into metrics.jsonl; its line, with the time so far and the
+        time left (from this run's updates), and sometimes samples on stdout."""
+        t, num_updates, update, nan = clock.laps, self.sizes.num_updates, update + 1, float("nan")
         self.first_update = update - 1 if self.first_update is None else self.first_update
         elapsed = time.time() - self.start_time
         eta = elapsed / (update - self.first_update) * (num_updates - update)
-        peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.device.type == "cuda"
+        peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.rt.device.type == "cuda"
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # Linux: KiB
-        metrics = self.last = {
-            "update": update, "episode": update * self.sizes.batch_size, "eps": (update - self.first_update) * self.sizes.batch_size / elapsed,
-            "lr": lr, **metrics, "time/update_s": time.perf_counter() - clock.start, "time/generate_s": t["generate"],
+        m = self.last = {
+            "update": update, "episode": update * self.sizes.batch_size, "lr": lr, **metrics,
+            "eps": (update - self.first_update) * self.sizes.batch_size / elapsed,
+            "time/update_s": time.perf_counter() - clock.start, "time/generate_s": t["generate"],
             "time/score_s": t["score"], "time/train_s": t["train"],
             "time/rollout_tokens_per_s": token_counts["rollout"] / t["generate"],  # all ranks' tokens
             "time/score_tokens_per_s": token_counts["score"] / t["score"],
             "time/train_tokens_per_s": token_counts["train"] / max(t["train"], 1e-9), "memory/peak_mib": peak_memory}
-        if self.rank == 0:
-            with open(self.metrics_path, "a") as f:  # one whole line per update, written when the update is done
-                f.write(json.dumps(metrics) + "\n")
-            if self.args.track:
-                import wandb
-                wandb.log(metrics, step=update)
-        m = metrics
+        if self.rt.rank == 0:
+            with open(self.path, "a") as f:  # one whole line per update, written when the update is done
+                f.write(json.dumps(m) + "\n")
+            if self.wandb:
+                self.wandb.log(m, step=update)
         success = f"success {m['objective/success_rate']:4.0%}  " if "objective/success_rate" in m else ""
-        self.print(f"update {update}/{num_updates}  {success}score {m['objective/scores']:.3f}  "
-                   f"kl {m['objective/kl']:.3f}  approxkl {m.get('policy/approxkl_avg', float('nan')):.4f}  "
-                   f"clipfrac {m.get('policy/clipfrac_avg', float('nan')):.3f}  "
-                   f"vloss {m.get('loss/value_avg', float('nan')):.4f}  ev {m['val/explained_variance']:.2f}  "
-                   f"len {m['val/mean_response_length']:.1f}  | {m['time/update_s']:.2f}s: generate "
-                   f"{m['time/generate_s']:.2f}  score {m['time/score_s']:.2f}  train {m['time/train_s']:.2f}  | "
-                   f"{m['memory/peak_mib']:.0f} MiB  | {duration(elapsed)}, eta {duration(eta)}")
+        hms = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
+        self.print(f"update {update}/{num_updates}  {success}score {m['objective/scores']:.3f}  kl {m['objective/kl']:.3f}"
+                   f"  approxkl {m.get('policy/approxkl_avg', nan):.4f}  clipfrac {m.get('policy/clipfrac_avg', nan):.3f}"
+                   f"  vloss {m.get('loss/value_avg', nan):.4f}  ev {m['val/explained_variance']:.2f}  len "
+                   f"{m['val/mean_response_length']:.1f}  | {m['time/update_s']:.2f}s: generate {t['generate']:.2f}  "
+                   f"score {t['score']:.2f}  train {t['train']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, eta "
+                   f"{hms(eta)}")
         if self.sample_every and ((update - 1) % self.sample_every == 0 or update == num_updates):
             for r, c, s in list(zip(rows, batch["completions"], batch["scores"].tolist()))[:3]:
                 self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
 
     def finish(self, message):
         self.print(message)
-        if self.args.track and self.rank == 0:
-            import wandb
-            wandb.finish()
+        if self.wandb:
+            self.wandb.finish()
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -118,6 +120,23 @@ def test_help_documents_every_flag():
         assert f"--{field.replace('_', '-')}" in out, field
 
 
+def test_a_renamed_copy_runs_its_own_built_in_task(tmp_path):
+    """The default reward is the running file's own addition_reward, not one imported by the module name: a fork
+    saved as another name, next to an unchanged ppo_rlhf.py, uses its own (here edited to score everything 0.25)."""
+    source = open(SCRIPT).read()
+    edited = "        scores.append(0.25)\n    return scores\n"
+    fork = source.replace("        scores.append(1.0 if words == [answer] else 0.5 if words[:1] == [answer] else 0.0)\n"
+                          "    return scores\n", edited)
+    assert fork != source
+    (tmp_path / "my_ppo.py").write_text(fork)
+    (tmp_path / "ppo_rlhf.py").write_text(source)
+    out = str(tmp_path / "run")
+    result = subprocess.run([sys.executable, "my_ppo.py", "--total_episodes", "64", "--per_device_train_batch_size", "32",
+                             "--output_dir", out], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert [m["objective/scores"] for m in read_metrics(out)] == [0.25, 0.25]
+
+
 # ------------------------------------------------------------------------------------------ math against naive references
 def random_mask(shape, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -205,6 +224,37 @@ def test_token_logprobs_from_hidden_states_match_the_full_logits(monkeypatch, bi
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         P.token_logprobs(hidden, tokens, 0.8, head)
     assert saved and max(t.numel() for t in saved) < 15 * 50
+
+
+@pytest.mark.parametrize("through_head", [False, True])
+def test_an_entropy_term_in_the_loss_gets_the_gradient_of_autograd_through_log_softmax(monkeypatch, through_head):
+    """An entropy bonus (loss −= c·H) added by a fork must train: TokenLogprobs' hand-written backward for H, alone and
+    together with log π, equals autograd's through log_softmax in float64."""
+    monkeypatch.setattr(P, "logprobs_chunk_rows", lambda vocab_size: 4)  # several chunks, the last one partial
+    gen = torch.Generator().manual_seed(2)
+    head = torch.nn.Linear(8, 30) if through_head else None
+    x = torch.randn(3, 5, 8 if through_head else 30, generator=gen, requires_grad=True)
+    tokens, w_lp, w_h = torch.randint(0, 30, (3, 5), generator=gen), torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    ref_x = x.detach().double().requires_grad_()
+    ref_head = None
+    if through_head:
+        ref_head = torch.nn.Linear(8, 30).double()
+        ref_head.load_state_dict(head.state_dict())
+    params = [x] + (list(head.parameters()) if through_head else [])
+    ref_params = [ref_x] + (list(ref_head.parameters()) if through_head else [])
+    for loss_of in (lambda lp, h: (h * w_h).sum(), lambda lp, h: (lp * w_lp).sum() - 0.3 * (h * w_h).sum()):
+        for p in params + ref_params:
+            p.grad = None
+        logprobs, entropy = P.token_logprobs(x, tokens, 0.7, head)
+        loss_of(logprobs, entropy).backward()
+        log_p = ((ref_head(ref_x) if through_head else ref_x) / 0.7).log_softmax(-1)
+        ref_entropy = -(log_p.exp() * log_p).sum(-1)
+        ref_logprobs = log_p.gather(-1, tokens[..., None]).squeeze(-1)
+        loss_of(ref_logprobs, ref_entropy).backward()
+        assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
+        for p, ref_p in zip(params, ref_params):
+            assert p.grad is not None and p.grad.abs().max() > 0
+            assert torch.allclose(p.grad.double(), ref_p.grad, atol=1e-5), (p.grad - ref_p.grad).abs().max()
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -508,8 +558,9 @@ def test_reward_model_with_another_tokenizer_scores_like_unpadded_single_texts(t
                                                              num_attention_heads=2, intermediate_size=64, num_labels=1)).eval()
         else:
             tokenizer, model = AutoTokenizer.from_pretrained(tiny[key]), loaded(tiny, key, AutoModelForSequenceClassification)
-        batched = P.score_texts(model, tokenizer, texts, add_special_tokens=True)
-        single = torch.cat([P.score_texts(model, tokenizer, [t], add_special_tokens=True) for t in texts])
+        prompts = SimpleNamespace(texts=texts, messages=[None] * 3)
+        batched = P.score_texts(model, tokenizer, prompts, [0, 1, 2], [""] * 3)
+        single = torch.cat([P.score_texts(model, tokenizer, prompts, [i], [""]) for i in range(3)])
         assert batched.shape == (3,) and torch.allclose(batched, single, atol=1e-5), key
 
 
@@ -523,7 +574,7 @@ def test_chat_messages_use_the_chat_template(tiny):
 
 
 # ------------------------------------------------------------------------------------------ end to end
-def check_run(output_dir, initial_path, metrics):
+def check_run(output_dir, initial_path, metrics, value_init=None):
     assert metrics and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
     first = metrics[0]
     assert abs(first["policy/first_ratio"] - 1) < 1e-5 and abs(first["policy/first_approxkl"]) < 1e-6
@@ -534,6 +585,9 @@ def check_run(output_dir, initial_path, metrics):
     AutoTokenizer.from_pretrained(os.path.join(output_dir, "policy"))
     value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(output_dir, "value_model"))
     assert value_model.config.num_labels == 1
+    start = (AutoModelForSequenceClassification.from_pretrained(value_init) if value_init else initial).state_dict()
+    shared = [k for k in value_model.state_dict() if k in start]  # the backbone's weights: the value model trained
+    assert len(shared) > 10 and sum(not torch.equal(value_model.state_dict()[k], start[k]) for k in shared) > len(shared) // 2
 
 
 def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path):
@@ -542,7 +596,7 @@ def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path):
     metrics = read_metrics(args.output_dir)
     assert len(metrics) == 4 and metrics[-1]["episode"] == 32
     assert all(m["val/mean_response_length"] == 6 for m in metrics)
-    check_run(args.output_dir, tiny["gpt2"], metrics)
+    check_run(args.output_dir, tiny["gpt2"], metrics, value_init=tiny["gpt2_rm"])
 
 
 def test_end_to_end_cli_with_a_reward_function(tiny, tmp_path):
@@ -555,6 +609,9 @@ def test_end_to_end_cli_with_a_reward_function(tiny, tmp_path):
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(out)
     assert len(metrics) == 3 and "'w" in result.stdout  # sample completions were printed
+    lines = [line for line in result.stdout.splitlines() if line.startswith("update ")]
+    assert len(lines) == 3 and all(re.search(r"\| \d\d:\d\d:\d\d, eta \d\d:\d\d:\d\d$", line) for line in lines)
+    assert lines[-1].endswith("eta 00:00:00")
     check_run(out, tiny["llama"], metrics)
 
 
@@ -573,9 +630,63 @@ def test_end_to_end_mixed_precision_and_checkpointing(tiny, tmp_path, dtype, gra
     args = run_args(tiny, tmp_path, dtype=dtype, gradient_checkpointing=gradient_checkpointing, missing_eos_penalty=1.0)
     P.main(args)
     metrics = read_metrics(args.output_dir)
-    check_run(args.output_dir, tiny["gpt2"], metrics)
+    check_run(args.output_dir, tiny["gpt2"], metrics, value_init=tiny["gpt2_rm"])
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy"))
     assert next(policy.parameters()).dtype == torch.float32  # fp32 master weights
+
+
+@pytest.mark.parametrize("kl_estimator,whiten_rewards,missing_eos_penalty", [("k1", False, None), ("k3", True, 0.7)])
+def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypatch, kl_estimator, whiten_rewards,
+                                                       missing_eos_penalty):
+    """What main() hands to the PPO update, checked phase by phase against naive per-sample references: 1. log π_old
+    is the policy's own (teacher-forced at T) and responses end at the stop token; 2. log π_ref is the reference's,
+    V the value model's, the score the reward function's minus the EOS penalty; 3. r_t = −β·KL_t + score on the last
+    token (whitened if asked); 4. GAE, then whitened advantages; 6. the logged metrics are those of this batch."""
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:count_w1", total_episodes=24,
+                    stop_token_id=5, temperature=0.7, kl_coef=0.1, gamma=0.9, lam=0.8, kl_estimator=kl_estimator,
+                    whiten_rewards=whiten_rewards, missing_eos_penalty=missing_eos_penalty)
+    P.main(args)
+    metrics, ref = read_metrics(args.output_dir), loaded(tiny, "gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
+    assert len(calls) == len(metrics) == 3
+    for (batch, logprobs, values, _), m in zip(calls, metrics):
+        mask, start, lengths = batch["response_mask"], batch["context_length"], batch["lengths"].tolist()
+        responses = batch["query_responses"][:, start:]
+        assert torch.allclose(batch["logprobs"][mask], logprobs[mask], atol=1e-5) and (batch["logprobs"][~mask] == 0).all()
+        for row, n in zip(responses.tolist(), lengths):
+            assert 5 not in row[: n - 1] and (n == responses.shape[1] or row[n - 1] == 5)
+        with torch.no_grad():
+            ref_logprobs = P.response_logprobs(ref, batch["query_responses"], batch["attention_mask"], start, 0.7)[0]
+        assert torch.allclose(batch["ref_logprobs"][mask], ref_logprobs[mask], atol=1e-5)
+        assert torch.allclose(batch["values"][mask], values[mask], atol=1e-5)
+        completions = [tokenizer.decode(r[:n], skip_special_tokens=True) for r, n in zip(responses.tolist(), lengths)]
+        has_eos = [1 in r[:n] for r, n in zip(responses.tolist(), lengths)]
+        scores = [c - (missing_eos_penalty or 0) * (not e) for c, e in zip(count_w1(None, completions), has_eos)]
+        assert torch.allclose(batch["scores"], torch.tensor(scores))
+        rewards, kls = torch.zeros(mask.shape, dtype=torch.float64), []
+        for b, n in enumerate(lengths):
+            for t in range(n):
+                log_ratio = batch["ref_logprobs"][b, t].item() - batch["logprobs"][b, t].item()
+                kl = -log_ratio if kl_estimator == "k1" else math.exp(log_ratio) - 1 - log_ratio
+                rewards[b, t] = -0.1 * kl + (scores[b] if t == n - 1 else 0.0)
+                kls.append((b, kl))
+        real = rewards[mask]
+        if whiten_rewards:
+            rewards[mask] = (real - real.mean()) / (real.var() + 1e-8).sqrt() + real.mean()
+        advantages = gae_naive(rewards, batch["values"].double(), mask, 0.9, 0.8)
+        returns = advantages + batch["values"].double()
+        real = advantages[mask]
+        assert torch.allclose(batch["advantages"][mask].double(), (real - real.mean()) / (real.var() + 1e-8).sqrt(), atol=1e-5)
+        assert (batch["advantages"][~mask] == 0).all()
+        assert torch.allclose(batch["returns"][mask].double(), returns[mask], atol=1e-5)
+        kl_per_sequence = [sum(k for b2, k in kls if b2 == b) for b in range(len(lengths))]
+        assert m["objective/kl"] == pytest.approx(sum(kl_per_sequence) / len(lengths), abs=1e-5)
+        assert m["objective/scores"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
+        assert m["val/mean_response_length"] == pytest.approx(sum(lengths) / len(lengths))
+        assert m["val/num_eos_tokens"] == sum(has_eos) and abs(m["policy/first_ratio"] - 1) < 1e-5
+    assert min(c[0]["lengths"].min() for c in calls) < 6  # some responses stop early
+    assert max(abs(k) for _, k in kls) > 1e-3  # by the last update the policy has moved away from the reference
 
 
 def test_builtin_task_learns(tmp_path):
@@ -737,6 +848,33 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
         P.main(dataclasses.replace(args, resume="auto", learning_rate=5e-4))
 
 
+def test_every_run_only_field_is_a_field_and_a_checkpoint_predating_a_flag_resumes_with_its_default(tiny, tmp_path):
+    assert P.RUN_ONLY_FIELDS < {f.name for f in dataclasses.fields(P.Args)}
+    args = run_args(tiny, tmp_path, total_episodes=24, save_every=1)
+    P.main(args)
+    first = os.path.join(args.output_dir, "checkpoint-000002")
+    state = torch.load(os.path.join(first, "state.pt"), weights_only=True)
+    del state["config"]["whiten_rewards"]  # as if written before --whiten_rewards existed
+    torch.save(state, os.path.join(first, "state.pt"))
+    with pytest.raises(SystemExit, match="--whiten_rewards"):  # it ran without whitening: whitening now is refused
+        P.main(dataclasses.replace(args, resume=first, whiten_rewards=True))
+    # the default is what it ran with; run-only flags may change on resume
+    P.main(dataclasses.replace(args, resume=first, num_sample_generations=3, save_total_limit=5, exp_name="other"))
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
+
+
+def test_the_non_finite_streak_survives_a_resume(tiny, tmp_path, capsys):
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:huge_score", total_episodes=64,
+                    save_every=1)
+    with pytest.raises(SystemExit, match="3 updates in a row"):
+        P.main(args)
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
+    with pytest.raises(SystemExit, match="3 updates in a row"):  # 2 bad updates before the checkpoint, 1 after
+        P.main(dataclasses.replace(args, resume=os.path.join(args.output_dir, "checkpoint-000002")))
+    assert capsys.readouterr().err.count("warning: update") == 3 + 1
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
+
+
 # ------------------------------------------------------------------------------------------ torchrun: DDP and FSDP2
 # Two gloo processes on CPU. Collectives time out after 60 s, so a hang fails the test instead of stalling CI.
 needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -762,7 +900,7 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode):
     metrics = read_metrics(out)
     assert [m["episode"] for m in metrics] == [16, 32]  # 2 ranks x 8 prompts per update, one line per update
     assert result.stdout.count("update 1/2 ") == 1 and "2 processes" in result.stdout  # rank 0 alone prints
-    check_run(out, tiny["gpt2"], metrics)
+    check_run(out, tiny["gpt2"], metrics, value_init=tiny["gpt2_rm"])
     assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "metrics.jsonl", "policy", "value_model"]
     last = torch.load(os.path.join(out, "checkpoint-000002", "state.pt"), weights_only=True)["model"]
     for name, weights in final_weights(out).items():  # the saved models are the whole trained ones, not a shard
