@@ -30,13 +30,13 @@ resume and signals · logging.
 import atexit
 import copy
 import importlib
-import importlib.util
 import inspect
 import json
 import os
 import pickle
 import random
 import resource
+import runpy
 import shutil
 import signal
 import sys
@@ -58,7 +58,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from transformers import DynamicCache
 
 
-# ------------------------------------------------------------------------------------------ options
+# -------------------------------------------------------------------------------------------------------------- options
 @dataclass
 class Args:
     # --- experiment
@@ -79,8 +79,7 @@ class Args:
     save_total_limit: int = 2
     """keep this many newest checkpoints (0: keep all)"""
     resume: Optional[str] = None
-    """`auto`: continue from the newest complete checkpoint in output_dir (or start if there is none); or a
-    checkpoint folder"""
+    """`auto`: continue from the newest complete checkpoint in output_dir (if any), or from this checkpoint folder"""
 
     # --- models and data
     model_name_or_path: str = "builtin"
@@ -92,8 +91,7 @@ class Args:
     reward_model_path: Optional[str] = None
     """reward model (sequence classifier, 1 label); if given it is used instead of --reward_fn"""
     reward_fn: Optional[str] = None
-    """`module:function` or `file.py:function` mapping (prompts, completions) to a list of floats; default with
-    --dataset builtin: the built-in task's addition_reward"""
+    """`module:function` or `file.py:function`: (prompts, completions) -> floats; default: the built-in task's"""
     dataset: str = "builtin"
     """prompts: a .txt (one per line), a .jsonl (`prompt`, or chat `messages`), or a hub dataset (needs `datasets`)"""
     dataset_train_split: str = "train"
@@ -161,13 +159,11 @@ class Args:
 
     # --- distributed (under torchrun; batch sizes above are per device)
     distributed: Literal["ddp", "fsdp"] = "ddp"
-    """ddp: every device holds the whole policy and value model, gradients are averaged; fsdp: FSDP2 shards their
-    weights, gradients and optimizer state over the devices"""
+    """ddp: whole policy and value model on every device; fsdp: FSDP2 shards weights, gradients, optimizer state"""
     shard_frozen_models: bool = False
     """with fsdp: shard the reference and reward models too (less memory; their layers are gathered per forward)"""
     rollout_unshard: bool = True
-    """with fsdp: gather the policy's weights once for the whole rollout instead of per layer at every sampled token;
-    turn off if the full policy does not fit on one device"""
+    """with fsdp: gather the policy once for the rollout, not per layer per token (off: if it cannot fit one device)"""
     dist_timeout_s: int = 1800
     """seconds a collective waits for the other ranks before the run fails (a hang then ends instead of stalling)"""
 
@@ -218,7 +214,7 @@ def check_args(args):
                            num_updates=args.total_episodes // batch_size)
 
 
-# ------------------------------------------------------------------------------------------ math (pure)
+# ---------------------------------------------------------------------------------------------------------- math (pure)
 def masked_mean(x, mask):
     """Σ x·m / Σ m over the real (mask=True) entries."""
     return torch.where(mask, x, 0.0).sum() / mask.sum()
@@ -306,7 +302,7 @@ def value_loss(values, old_values, returns, mask, cliprange_value):
     return loss, masked_mean((clipped_loss > unclipped_loss).to(loss.dtype), mask)
 
 
-# ------------------------------------------------------------------------------------------ π and V on padded batches
+# -------------------------------------------------------------------------------------------- π and V on padded batches
 def forward_kwargs(input_ids, attention_mask):
     """position_ids count real tokens only, so left padding changes nothing (GPT-2 is off by ~0.5 nats without)."""
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -337,10 +333,9 @@ def token_logprobs(x, tokens, temperature=1.0, head=None):
 
 
 def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
-    """log π(y_t|s_t) and entropy for every response position (B, R). Position context_length−1+t predicts response
-    token t, so the last token is never fed and only the R response positions get logits. head: output_layer(policy)
-    or None; with it, logits larger than one chunk are never made whole (when they fit in one chunk, making them is
-    as cheap in memory and saves the recomputation in backward)."""
+    """log π(y_t|s_t) and entropy for every response position (B, R): position context_length−1+t predicts token t,
+    so the last token is never fed. head: output_layer(policy) or None; with it, logits bigger than one chunk are
+    never made whole (smaller ones cost no more memory whole, and save the recomputation in backward)."""
     responses = query_responses[:, context_length:]
     ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
     if head is None or responses.numel() <= logprobs_chunk_rows(head.out_features):  # fits one chunk: plain logits
@@ -370,12 +365,11 @@ class PolicyAndValue(torch.nn.Module):
         return logprobs, entropy, state_values(self.value_model, query_responses, attention_mask, context_length)
 
 
-# ------------------------------------------------------------------------------------------ rollout and scoring
+# -------------------------------------------------------------------------------------------------- rollout and scoring
 def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_id, pad_token_id, sync_ranks=False):
-    """Sample y_t ~ softmax(z_t / T) token by token with a KV cache: exactly the policy we train (no top-k/top-p).
-    Returns responses (B, L) and log π_old(y_t|s_t) (B, L); after a row's stop token come pad ids and log-prob 0.
-    L < max_new_tokens when every row stopped early. sync_ranks: a sharded policy's forward is a collective, so
-    every rank keeps stepping until all ranks are done. Call under torch.no_grad() or inference_mode()."""
+    """Sample y_t ~ softmax(z_t / T) with a KV cache: exactly the policy we train (no top-k/top-p). -> responses and
+    log π_old(y_t|s_t), (B, L ≤ max_new_tokens), pad ids and 0 after a row's stop token. sync_ranks: a sharded
+    policy's forward is a collective, so every rank steps until all are done. Call under no_grad or inference_mode."""
     cache_kw = "cache" if "cache" in inspect.signature(policy.forward).parameters else "past_key_values"
     cache = DynamicCache(config=policy.config)
     ids, mask = queries, query_mask
@@ -470,13 +464,12 @@ def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
     return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
 
 
-# ------------------------------------------------------------------------------------------ the PPO update
+# ------------------------------------------------------------------------------------------------------- the PPO update
 def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
-    """Phase 5: num_ppo_epochs passes over this rank's rollout batch in shuffled minibatches, one optimizer step
-    each; a minibatch is gradient_accumulation_steps micro-batches. model: PolicyAndValue, bare or wrapped in DDP, or
-    with FSDP2-sharded parts. The loss is the mean over the real tokens of the whole minibatch, on all ranks together:
-    a micro-batch's token mean is weighted by its share of those tokens (times the number of ranks, as DDP and FSDP
-    average the ranks' gradients). -> stats (lists per micro-batch), stop reason, optimizer steps, tokens trained."""
+    """Phase 5: num_ppo_epochs passes over this rank's batch in shuffled minibatches (one optimizer step each) of
+    gradient_accumulation_steps micro-batches. The loss is the mean over the real tokens of the minibatch on all ranks:
+    a micro-batch's token mean is weighted by its share of them, times world_size (DDP and FSDP average the ranks'
+    gradients). -> stats (lists per micro-batch), stop_reason, optimizer_steps, train_tokens."""
     lengths, P = batch["lengths"], batch["context_length"]
     params = [p for p in model.parameters() if p.requires_grad]
     stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
@@ -498,7 +491,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                     vf_loss, vf_clipfrac = value_loss(new_values.float(), mb["values"], mb["returns"],
                                                       mb["response_mask"], args.cliprange_value)
                     loss = pg_loss + args.vf_coef * vf_loss
-                    non_finite += ~torch.isfinite(loss)  # decided for all ranks together below: one rank alone would hang
+                    non_finite += ~torch.isfinite(loss)  # voted on by all ranks below: one rank alone would hang
                     scaler.scale(loss * (mb["response_mask"].sum() * rt.world_size / mb_tokens)).backward()
                 update_stats(stats, mb, new_logprobs, entropy, args.cliprange, pg_loss, pg_clipfrac, approxkl, vf_loss,
                              vf_clipfrac)
@@ -559,7 +552,7 @@ def update_stats(stats, mb, new_logprobs, entropy, cliprange, pg_loss, pg_clipfr
         stats[key].append(value.detach().float())
 
 
-# ------------------------------------------------------------------------------------------ main: the loop
+# ----------------------------------------------------------------------------- main: setup, then the loop in six phases
 def main(args: Args):
     sizes = check_args(args)  # flags only: a bad one fails here, before anything is loaded or started
     transformers.utils.logging.disable_progress_bar()  # loading and saving bars would bury the per-update lines
@@ -624,7 +617,8 @@ def main(args: Args):
         log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows.tolist())
         stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # a signal on any rank
         if stop or (args.save_every and (update + 1) % args.save_every == 0):
-            path = save_checkpoint(output_dir, update + 1, bad_updates, model, optimizer, lr_scheduler, scaler, args, rt)
+            path = save_checkpoint(output_dir, update + 1, bad_updates, model, optimizer, lr_scheduler, scaler, args,
+                                   rt)
             if stop:
                 log.print(f"saved {path}; continue with the same flags plus --resume auto")
                 return log.last
@@ -644,7 +638,7 @@ def count_bad_updates(bad_updates, stop_reason, update, log):
     return bad_updates + 1
 
 
-# ------------------------------------------------------------------------------------------ models, data and rewards
+# --------------------------------------------------------------------------------------------- models, data and rewards
 def from_pretrained(cls, path, flag, args, **kwargs):
     """cls.from_pretrained(path), or one line naming the flag when that fails."""
     try:
@@ -729,10 +723,8 @@ def load_models(args, model_path, rt):
 
 
 def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
-    """This rank's prompts for update `update` (0-based): the update takes the next world_size x batch_size of an
-    endless stream of reshuffled passes over the data, and rank r the r-th slice of those (a prompt comes twice in
-    one update only if the data has fewer prompts than that). A pure function of its arguments, so the position in
-    the stream is just the update counter."""
+    """This rank's prompts for update `update` (0-based): the next world_size x batch_size of an endless stream of
+    reshuffled passes over the data, rank r's the r-th slice. Its position in the stream is just the update counter."""
     start = (update * world_size + rank) * batch_size
     passes = range(start // num_prompts, (start + batch_size - 1) // num_prompts + 1)
     seeds = [seed * 1_000_003 + p for p in passes]  # not seed + p: seed 2's first pass would be seed 1's second
@@ -805,36 +797,23 @@ def read_prompts(dataset, split):
 def render_prompts(rows, tokenizer):
     """Chat messages go through the tokenizer's chat template (a trailing assistant turn is dropped).
     -> prompt texts, their token ids, and the messages (None for plain text)."""
-    texts, messages = [], []
-    for row in rows:
-        if isinstance(row, str):
-            texts.append(row)
-            messages.append(None)
-            continue
-        if row and row[-1].get("role") == "assistant":
-            row = row[:-1]
-        if tokenizer.chat_template is None:
-            fail("--dataset has chat `messages` but the policy's tokenizer has no chat template")
-        texts.append(tokenizer.apply_chat_template(row, tokenize=False, add_generation_prompt=True))
-        messages.append(row)
-    ids = [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)]
-    return texts, ids, messages
+    messages = [None if isinstance(r, str) else r[:-1] if r and r[-1].get("role") == "assistant" else r for r in rows]
+    if tokenizer.chat_template is None and any(m is not None for m in messages):
+        fail("--dataset has chat `messages` but the policy's tokenizer has no chat template")
+    texts = [r if m is None else tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+             for r, m in zip(rows, messages)]
+    return texts, [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)], messages
 
 
 def load_reward_fn(spec):
-    module_name, _, fn_name = spec.rpartition(":")
-    if not module_name or not fn_name:
+    """`module:function` or `file.py:function` -> the function."""
+    module, _, name = spec.rpartition(":")
+    if not module or not name:
         fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
     try:
-        if module_name.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-        return getattr(module, fn_name)
-    except (ImportError, AttributeError, OSError) as e:
-        fail(f"--reward_fn {spec!r} cannot be loaded: {e}")
+        return (runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module)))[name]
+    except (ImportError, KeyError, OSError) as e:
+        fail(f"--reward_fn {spec!r} cannot be loaded: {type(e).__name__}: {e}")
 
 
 def check_scores(scores, n, source):
@@ -901,11 +880,8 @@ def build_addition_task(folder, seed):
     return model_dir, prompts_file
 
 
-# ======================================================================================================================
-# Systems: what lets the loop above run on many devices, with large vocabularies, and survive being stopped.
-# Each section below may be skipped on a first reading.
-# ======================================================================================================================
-# ------------------------------------------------------------------------------------------ distributed (systems)
+# ====== Systems: what lets the loop above run on many devices, with large vocabularies, and survive a stop ============
+# -------------------- distributed: torchrun, DDP, FSDP2, statistics over ranks (systems: a first reading may skip this)
 @dataclass
 class Runtime:
     """This process: its rank among world_size processes, its device, whether torchrun started it (then a process
@@ -975,7 +951,7 @@ def reduce_over_ranks(averaged, summed, rt):
 def wrap_for_training(models, args, rt):
     """The policy and the value model as one PolicyAndValue module, with gradient checkpointing if asked. Under
     torchrun, DDP (whole models on every rank, gradients averaged by all-reduce) or FSDP2 (every rank keeps
-    1/world_size of their weights, gradients and optimizer state; with --shard_frozen_models, of the frozen ones too)."""
+    1/world_size of their weights, gradients and optimizer state; with --shard_frozen_models, of the frozen ones)."""
     if args.gradient_checkpointing:
         for model in (models.policy, models.value_model):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -993,10 +969,9 @@ def wrap_for_training(models, args, rt):
 
 
 def shard(model, frozen=False):
-    """FSDP2: each decoder block is a unit whose weights are gathered only while it runs, the rest another unit. A
-    model with a `score` head gets its backbone and head as two roots, because forward() calls them one by one.
-    A root keeps its gathered weights after forward for the backward that follows; a frozen model has no backward,
-    so its roots free them at once (else its embeddings and output layer would stay whole on every rank)."""
+    """FSDP2: each decoder block is a unit whose weights are gathered only while it runs; the rest is a root unit (a
+    `score` head and its backbone two, as forward() calls them one by one). A root keeps its weights after forward
+    for the backward; a frozen model's roots free them at once (else they would stay whole on every rank)."""
     from torch.distributed.fsdp import fully_shard
 
     for module in model.modules():
@@ -1022,7 +997,7 @@ def gathered(model, enabled):
             unit.set_reshard_after_forward(unit is not model, recurse=False)
 
 
-# ------------------------------------------------------------------------------------------ memory-efficient log-probs (systems)
+# -------------------------------------------------- memory-efficient log-probs (systems: a first reading may skip this)
 def logprobs_chunk_rows(vocab_size):
     """Rows per chunk so that one float32 chunk of logits is about 64 MiB."""
     return max(1, 2**24 // vocab_size)
@@ -1104,7 +1079,7 @@ def output_layer(model):
         return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
 
 
-# ------------------------------------------------------------------------------------------ checkpoints, resume and signals (systems)
+# --------------------------------------------- checkpoints, resume and signals (systems: a first reading may skip this)
 def run_folder(args, rt):
     """The output folder (a default one is named by rank 0's clock); an existing run in it is never overwritten."""
     output_dir = from_rank_0(args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
@@ -1148,10 +1123,9 @@ def list_checkpoints(output_dir):
 
 
 def save_checkpoint(output_dir, update, bad_updates, model, optimizer, lr_scheduler, scaler, args, rt):
-    """Everything the run needs to go on exactly: full weights and optimizer state, schedule, GradScaler, the update
-    counter (the prompt stream's position and every seed follow from it), the non-finite streak and the algorithmic
-    flags. Rank 0 writes a .tmp folder, flushes it and renames it: a checkpoint-N folder is always complete. Keeps the
-    newest save_total_limit."""
+    """All the run needs to go on exactly: weights, optimizer, schedule, GradScaler, the update counter (the prompt
+    stream's position and every seed follow from it), the non-finite streak and the algorithmic flags. Rank 0 writes a
+    .tmp folder, flushes and renames it (a checkpoint-N folder is always complete); the newest save_total_limit stay."""
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
     if rt.rank == 0:
@@ -1245,7 +1219,7 @@ def request_stop(signum, frame):
           flush=True)
 
 
-# ------------------------------------------------------------------------------------------ logging (systems)
+# --------------------------------------------------------- logging and metrics (systems: a first reading may skip this)
 class Clock:
     """Seconds per phase of one update: lap(name) closes the phase that ran since the previous lap."""
 
@@ -1301,9 +1275,10 @@ class Logger:
         if rt.rank == 0:
             os.makedirs(output_dir, exist_ok=True)
         mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
-        self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} prompts ({mode}{sizes.local_batch_size}"
-                   f" per device, {args.num_mini_batches} minibatches of {sizes.local_mini_batch_size}, micro-batches of "
-                   f"{sizes.micro_batch_size}), {num_prompts} prompts, device {rt.device}, {args.dtype}, output {output_dir}")
+        self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} prompts ({mode}"
+                   f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
+                   f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
+                   f"device {rt.device}, {args.dtype}, output {output_dir}")
         self.start_time = time.time()
 
     def print(self, *lines, file=sys.stdout):
@@ -1334,12 +1309,12 @@ class Logger:
                 self.wandb.log(m, step=update)
         success = f"success {m['objective/success_rate']:4.0%}  " if "objective/success_rate" in m else ""
         hms = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
-        self.print(f"update {update}/{num_updates}  {success}score {m['objective/scores']:.3f}  kl {m['objective/kl']:.3f}"
-                   f"  approxkl {m.get('policy/approxkl_avg', nan):.4f}  clipfrac {m.get('policy/clipfrac_avg', nan):.3f}"
-                   f"  vloss {m.get('loss/value_avg', nan):.4f}  ev {m['val/explained_variance']:.2f}  len "
-                   f"{m['val/mean_response_length']:.1f}  | {m['time/update_s']:.2f}s: generate {t['generate']:.2f}  "
-                   f"score {t['score']:.2f}  train {t['train']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, eta "
-                   f"{hms(eta)}")
+        self.print(f"update {update}/{num_updates}  {success}score {m['objective/scores']:.3f}  "
+                   f"kl {m['objective/kl']:.3f}  approxkl {m.get('policy/approxkl_avg', nan):.4f}  "
+                   f"clipfrac {m.get('policy/clipfrac_avg', nan):.3f}  vloss {m.get('loss/value_avg', nan):.4f}  "
+                   f"ev {m['val/explained_variance']:.2f}  len {m['val/mean_response_length']:.1f}  | "
+                   f"{m['time/update_s']:.2f}s: generate {t['generate']:.2f}  score {t['score']:.2f}  "
+                   f"train {t['train']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, eta {hms(eta)}")
         if self.sample_every and ((update - 1) % self.sample_every == 0 or update == num_updates):
             for r, c, s in list(zip(rows, batch["completions"], batch["scores"].tolist()))[:3]:
                 self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")

@@ -26,10 +26,14 @@ SCRIPT = os.path.join(HERE, "ppo_rlhf.py")
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(37)]
 
 
-# ------------------------------------------------------------------------------------------ reward functions used by runs
+# ---------------------------------------------------------------------------------------- reward functions used by runs
 def count_w1(prompts, completions):
     """Rewards completions for each `w1` they contain."""
     return [float(c.split().count("w1")) for c in completions]
+
+
+def num_words(prompts, completions):
+    return [float(len(c.split())) for c in completions]
 
 
 def wrong_count(prompts, completions):
@@ -44,7 +48,7 @@ def huge_score(prompts, completions):
     return [1e30 * (i % 2) for i in range(len(completions))]
 
 
-# ------------------------------------------------------------------------------------------ tiny models, built offline
+# ------------------------------------------------------------------------------------------- tiny models, built offline
 def word_tokenizer(words, pad="<pad>", **kwargs):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -74,18 +78,21 @@ def tiny(tmp_path_factory):
         AutoModelForCausalLM.from_config(config(arch, len(WORDS))).save_pretrained(paths[arch])
         tokenizer.save_pretrained(paths[arch])
         paths[f"{arch}_rm"] = str(root / f"{arch}_rm")
-        AutoModelForSequenceClassification.from_config(config(arch, len(WORDS), num_labels=1)).save_pretrained(paths[f"{arch}_rm"])
+        reward_model = AutoModelForSequenceClassification.from_config(config(arch, len(WORDS), num_labels=1))
+        reward_model.save_pretrained(paths[f"{arch}_rm"])
         tokenizer.save_pretrained(paths[f"{arch}_rm"])
     other_words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in reversed(range(37))] + ["extra"]
     paths["other_rm"] = str(root / "other_rm")  # same words, other ids: the reward model must re-tokenize the text
-    AutoModelForSequenceClassification.from_config(config("llama", len(other_words), num_labels=1)).save_pretrained(paths["other_rm"])
+    other_rm = AutoModelForSequenceClassification.from_config(config("llama", len(other_words), num_labels=1))
+    other_rm.save_pretrained(paths["other_rm"])
     word_tokenizer(other_words, padding_side="left").save_pretrained(paths["other_rm"])
     paths["prompts"] = str(root / "prompts.jsonl")
     gen = torch.Generator().manual_seed(0)
     with open(paths["prompts"], "w") as f:
         for _ in range(40):
             n = int(torch.randint(2, 7, (1,), generator=gen))
-            f.write(json.dumps({"prompt": " ".join(WORDS[int(t)] for t in torch.randint(3, len(WORDS), (n,), generator=gen))}) + "\n")
+            words = [WORDS[int(t)] for t in torch.randint(3, len(WORDS), (n,), generator=gen)]
+            f.write(json.dumps({"prompt": " ".join(words)}) + "\n")
     paths["txt"] = str(root / "prompts.txt")
     with open(paths["txt"], "w") as f:
         f.write("w1 w2 w3\n\nw4 w5\nw6\n")
@@ -94,8 +101,8 @@ def tiny(tmp_path_factory):
 
 def run_args(tiny, tmp_path, **overrides):
     kwargs = dict(model_name_or_path=tiny["gpt2"], reward_model_path=tiny["gpt2_rm"], dataset=tiny["prompts"],
-                  output_dir=str(tmp_path / "run"), total_episodes=16, per_device_train_batch_size=8, num_mini_batches=2,
-                  num_ppo_epochs=2, response_length=6, learning_rate=1e-3, num_sample_generations=0)
+                  output_dir=str(tmp_path / "run"), total_episodes=16, per_device_train_batch_size=8,
+                  num_mini_batches=2, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, num_sample_generations=0)
     kwargs.update(overrides)
     return P.Args(**kwargs)
 
@@ -105,7 +112,7 @@ def read_metrics(output_dir):
         return [json.loads(line) for line in f]
 
 
-# ------------------------------------------------------------------------------------------ hygiene
+# -------------------------------------------------------------------------------------------------------------- hygiene
 def test_import_has_no_side_effects(tmp_path):
     code = "import sys, torch; import ppo_rlhf; print(torch.cuda.is_initialized(), 'ppo_rlhf' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE},
@@ -131,13 +138,13 @@ def test_a_renamed_copy_runs_its_own_built_in_task(tmp_path):
     (tmp_path / "my_ppo.py").write_text(fork)
     (tmp_path / "ppo_rlhf.py").write_text(source)
     out = str(tmp_path / "run")
-    result = subprocess.run([sys.executable, "my_ppo.py", "--total_episodes", "64", "--per_device_train_batch_size", "32",
-                             "--output_dir", out], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "my_ppo.py", "--total_episodes", "64", "--per_device_train_batch_size",
+                             "32", "--output_dir", out], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert [m["objective/scores"] for m in read_metrics(out)] == [0.25, 0.25]
 
 
-# ------------------------------------------------------------------------------------------ math against naive references
+# ---------------------------------------------------------------------------------------- math against naive references
 def random_mask(shape, seed):
     gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(shape, generator=gen) < 0.7
@@ -218,7 +225,8 @@ def test_token_logprobs_from_hidden_states_match_the_full_logits(monkeypatch, bi
     tol = 5e-2 if autocast else 1e-5  # bf16 matmuls: ~3 significant digits
     assert torch.allclose(logprobs.double(), ref, atol=tol)
     assert torch.allclose(entropy.double(), -(z.softmax(-1) * z.log_softmax(-1)).sum(-1), atol=tol)
-    for param, ref_param in [(hidden, ref_hidden), (head.weight, ref_head.weight)] + [(head.bias, ref_head.bias)] * bias:
+    pairs = [(hidden, ref_hidden), (head.weight, ref_head.weight)] + [(head.bias, ref_head.bias)] * bias
+    for param, ref_param in pairs:
         assert param.grad.dtype == torch.float32 and torch.allclose(param.grad.double(), ref_param.grad, atol=tol)
     saved = []  # nothing of the size of the (N, V) logits is kept for backward (W is 8 x 50)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -234,7 +242,8 @@ def test_an_entropy_term_in_the_loss_gets_the_gradient_of_autograd_through_log_s
     gen = torch.Generator().manual_seed(2)
     head = torch.nn.Linear(8, 30) if through_head else None
     x = torch.randn(3, 5, 8 if through_head else 30, generator=gen, requires_grad=True)
-    tokens, w_lp, w_h = torch.randint(0, 30, (3, 5), generator=gen), torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    tokens = torch.randint(0, 30, (3, 5), generator=gen)
+    w_lp, w_h = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
     ref_x = x.detach().double().requires_grad_()
     ref_head = None
     if through_head:
@@ -276,8 +285,9 @@ def test_response_logprobs_through_the_output_layer_equal_the_models_logits(tiny
 
 def test_output_layer_is_not_used_when_the_model_changes_its_logits(tmp_path):
     from transformers import Gemma2Config
-    config = Gemma2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=8, final_logit_softcapping=2.0)  # tanh-capped logits
+    config = Gemma2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                          final_logit_softcapping=2.0)  # tanh-capped logits
     assert P.output_layer(AutoModelForCausalLM.from_config(config)) is None
 
 
@@ -291,13 +301,13 @@ def test_first_true_index_and_response_lengths():
 
 def test_kl_estimators():
     gen = torch.Generator().manual_seed(0)
-    logp, ref = torch.randn(1000, dtype=torch.float64, generator=gen), torch.randn(1000, dtype=torch.float64, generator=gen)
+    logp, ref = (torch.randn(1000, dtype=torch.float64, generator=gen) for _ in range(2))
     assert torch.allclose(P.kl_estimate(logp, ref, "k1"), logp - ref)
     k3 = P.kl_estimate(logp, ref, "k3")
     assert (k3 >= 0).all() and torch.allclose(k3, (ref - logp).exp() - 1 - (ref - logp))
     assert P.kl_estimate(logp, logp, "k1").abs().max() == 0 and P.kl_estimate(logp, logp, "k3").abs().max() == 0
     # both are unbiased: averaged over tokens sampled from p they give KL(p‖q) of the closed form
-    p_logits, q_logits = torch.randn(6, dtype=torch.float64, generator=gen), torch.randn(6, dtype=torch.float64, generator=gen)
+    p_logits, q_logits = (torch.randn(6, dtype=torch.float64, generator=gen) for _ in range(2))
     log_p, log_q = p_logits.log_softmax(0), q_logits.log_softmax(0)
     exact = (log_p.exp() * (log_p - log_q)).sum()
     samples = torch.multinomial(log_p.exp(), 400_000, replacement=True, generator=gen)
@@ -331,7 +341,7 @@ def gae_naive(rewards, values, mask, gamma, lam):
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (0.99, 1.0), (0.5, 0.0)])
 def test_gae_matches_a_per_sample_loop(gamma, lam):
     gen = torch.Generator().manual_seed(1)
-    rewards, values = torch.randn(6, 8, dtype=torch.float64, generator=gen), torch.randn(6, 8, dtype=torch.float64, generator=gen)
+    rewards, values = (torch.randn(6, 8, dtype=torch.float64, generator=gen) for _ in range(2))
     lengths = torch.tensor([1, 3, 8, 5, 2, 7])
     mask = torch.arange(8) < lengths[:, None]
     advantages, returns = P.gae(rewards, values, mask, gamma, lam)
@@ -343,7 +353,7 @@ def test_gae_matches_a_per_sample_loop(gamma, lam):
 
 def test_gae_closed_forms():
     gen = torch.Generator().manual_seed(2)
-    rewards, values = torch.randn(4, 6, dtype=torch.float64, generator=gen), torch.randn(4, 6, dtype=torch.float64, generator=gen)
+    rewards, values = (torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(2))
     mask = torch.arange(6) < torch.tensor([6, 4, 1, 5])[:, None]
     rewards, values = rewards * mask, values * mask
     # λ = 0: A_t = δ_t = r_t + γV_{t+1} − V_t (one-step TD error)
@@ -414,7 +424,8 @@ def test_explained_variance():
     ev = lambda predicted: P.explained_variance(P.global_mean_var(target - predicted, mask)[1],  # noqa: E731
                                                 P.global_mean_var(target, mask)[1])
     assert torch.isclose(ev(target), torch.tensor(1.0, dtype=torch.float64))
-    assert torch.isclose(ev(torch.full_like(target, target[mask].mean().item())), torch.tensor(0.0, dtype=torch.float64))
+    constant = torch.full_like(target, target[mask].mean().item())
+    assert torch.isclose(ev(constant), torch.tensor(0.0, dtype=torch.float64))
     assert torch.isclose(ev(0.5 * target), 1 - (0.5 * target[mask]).var() / target[mask].var())
 
 
@@ -461,9 +472,13 @@ def test_everything_after_the_stop_token_is_masked_out():
         assert torch.allclose(a, b) and torch.isfinite(b).all()
 
 
-# ------------------------------------------------------------------------------------------ tiny models
+# ---------------------------------------------------------------------------------------------------------- tiny models
 def loaded(tiny, arch, cls=AutoModelForCausalLM, key=None):
     return P.load_pretrained(cls, tiny[key or arch], "model_name_or_path", P.Args())
+
+
+def loaded_value(tiny):
+    return loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -507,7 +522,8 @@ def test_generation_stops_at_the_stop_token(tiny):
     torch.manual_seed(1)  # the same draws, so up to its stop token every row is the free sample
     responses, logprobs = P.generate(policy, queries, query_mask, 12, 1.0, stop_token_id=stop, pad_token_id=0)
     lengths = P.response_lengths(responses, stop)
-    assert (lengths < 12).any() and (lengths == (free == stop).int().argmax(1) + 1).where((free == stop).any(1), 12).all()
+    first_stop = ((free == stop).int().argmax(1) + 1).where((free == stop).any(1), 12)
+    assert (lengths < 12).any() and (lengths == first_stop).all()
     for row, n, lp, free_row, free_lp in zip(responses, lengths, logprobs, free, free_logprobs):
         assert (row[n:] == 0).all() and (lp[n:] == 0).all() and (row[: n - 1] != stop).all()
         assert torch.equal(row[:n], free_row[:n]) and torch.allclose(lp[:n], free_lp[:n])
@@ -520,7 +536,8 @@ def test_a_pad_token_equal_to_eos_is_replaced():
     assert tokenizer.pad_token_id != tokenizer.eos_token_id and tokenizer.eos_token_id == 1
     model = AutoModelForCausalLM.from_config(config("gpt2", len(WORDS)))
     P.fit_tokenizer(model, tokenizer)
-    assert model.get_input_embeddings().num_embeddings == len(tokenizer) and model.config.pad_token_id == tokenizer.pad_token_id
+    assert model.get_input_embeddings().num_embeddings == len(tokenizer)
+    assert model.config.pad_token_id == tokenizer.pad_token_id
 
 
 @pytest.mark.parametrize("arch,dropout", [("gpt2", dict(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)),
@@ -554,10 +571,12 @@ def test_reward_model_with_another_tokenizer_scores_like_unpadded_single_texts(t
             backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
             backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
             tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
-            model = BertForSequenceClassification(BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
-                                                             num_attention_heads=2, intermediate_size=64, num_labels=1)).eval()
+            bert = BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=64, num_labels=1)
+            model = BertForSequenceClassification(bert).eval()
         else:
-            tokenizer, model = AutoTokenizer.from_pretrained(tiny[key]), loaded(tiny, key, AutoModelForSequenceClassification)
+            tokenizer = AutoTokenizer.from_pretrained(tiny[key])
+            model = loaded(tiny, key, AutoModelForSequenceClassification)
         prompts = SimpleNamespace(texts=texts, messages=[None] * 3)
         batched = P.score_texts(model, tokenizer, prompts, [0, 1, 2], [""] * 3)
         single = torch.cat([P.score_texts(model, tokenizer, prompts, [i], [""]) for i in range(3)])
@@ -566,14 +585,15 @@ def test_reward_model_with_another_tokenizer_scores_like_unpadded_single_texts(t
 
 def test_chat_messages_use_the_chat_template(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}w9{% endif %}")
     rows = ["w1 w2", [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}]]
     texts, ids, messages = P.render_prompts(rows, tokenizer)
     assert texts == ["w1 w2", "w3 w9"] and messages[0] is None and messages[1] == rows[1][:1]
     assert ids[1] == tokenizer("w3 w9", add_special_tokens=False)["input_ids"]
 
 
-# ------------------------------------------------------------------------------------------ end to end
+# ----------------------------------------------------------------------------------------------------------- end to end
 def check_run(output_dir, initial_path, metrics, value_init=None):
     assert metrics and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
     first = metrics[0]
@@ -587,7 +607,8 @@ def check_run(output_dir, initial_path, metrics, value_init=None):
     assert value_model.config.num_labels == 1
     start = (AutoModelForSequenceClassification.from_pretrained(value_init) if value_init else initial).state_dict()
     shared = [k for k in value_model.state_dict() if k in start]  # the backbone's weights: the value model trained
-    assert len(shared) > 10 and sum(not torch.equal(value_model.state_dict()[k], start[k]) for k in shared) > len(shared) // 2
+    moved = sum(not torch.equal(value_model.state_dict()[k], start[k]) for k in shared)
+    assert len(shared) > 10 and moved > len(shared) // 2
 
 
 def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path):
@@ -602,9 +623,10 @@ def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path):
 def test_end_to_end_cli_with_a_reward_function(tiny, tmp_path):
     out = str(tmp_path / "cli")
     cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["llama"], "--reward_fn", f"{__file__}:count_w1",
-           "--dataset", tiny["txt"], "--output_dir", out, "--total_episodes", "24", "--per_device_train_batch_size", "4",
-           "--gradient_accumulation_steps", "2", "--num_mini_batches", "2", "--response_length", "5",
-           "--stop_token_id", "4", "--kl_estimator", "k3", "--whiten_rewards", "--target_kl", "10", "--num_sample_generations", "1"]
+           "--dataset", tiny["txt"], "--output_dir", out, "--total_episodes", "24", "--per_device_train_batch_size",
+           "4", "--gradient_accumulation_steps", "2", "--num_mini_batches", "2", "--response_length", "5",
+           "--stop_token_id", "4", "--kl_estimator", "k3", "--whiten_rewards", "--target_kl", "10",
+           "--num_sample_generations", "1"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(out)
@@ -621,39 +643,60 @@ def test_reward_model_with_another_tokenizer_end_to_end(tiny, tmp_path):
     P.main(args)
     check_run(args.output_dir, tiny["llama"], read_metrics(args.output_dir))
     # the value model reads the policy's token ids, so it starts from the policy, not from this reward model
-    value_config = AutoModelForSequenceClassification.from_pretrained(os.path.join(args.output_dir, "value_model")).config
+    value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(args.output_dir, "value_model"))
+    value_config = value_model.config
     assert value_config.vocab_size == len(WORDS)
 
 
 @pytest.mark.parametrize("dtype,gradient_checkpointing", [("bf16", False), ("fp16", False), ("fp32", True)])
-def test_end_to_end_mixed_precision_and_checkpointing(tiny, tmp_path, dtype, gradient_checkpointing):
+def test_end_to_end_mixed_precision_and_checkpointing(tiny, tmp_path, monkeypatch, dtype, gradient_checkpointing):
     args = run_args(tiny, tmp_path, dtype=dtype, gradient_checkpointing=gradient_checkpointing, missing_eos_penalty=1.0)
+    block_calls, real = [], P.ppo_epochs
+
+    def counting(model, *rest):  # forwards of the first decoder block's MLP in the PPO epochs (inside a checkpoint)
+        hook = model.policy.transformer.h[0].mlp.register_forward_pre_hook(lambda *_: block_calls.append(1))
+        try:
+            return real(model, *rest)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(P, "ppo_epochs", counting)
     P.main(args)
+    # 2 updates x 2 epochs x 2 minibatches forwards; gradient checkpointing runs each block again in backward
+    assert len(block_calls) == 8 * (2 if gradient_checkpointing else 1)
     metrics = read_metrics(args.output_dir)
     check_run(args.output_dir, tiny["gpt2"], metrics, value_init=tiny["gpt2_rm"])
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy"))
     assert next(policy.parameters()).dtype == torch.float32  # fp32 master weights
 
 
-@pytest.mark.parametrize("kl_estimator,whiten_rewards,missing_eos_penalty", [("k1", False, None), ("k3", True, 0.7)])
+@pytest.mark.parametrize("kl_estimator,whiten_rewards,missing_eos_penalty,anneal_lr,target_kl",
+                         [("k1", False, None, True, None), ("k3", True, 0.7, False, 1e-9)])
 def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypatch, kl_estimator, whiten_rewards,
-                                                       missing_eos_penalty):
+                                                       missing_eos_penalty, anneal_lr, target_kl):
     """What main() hands to the PPO update, checked phase by phase against naive per-sample references: 1. log π_old
     is the policy's own (teacher-forced at T) and responses end at the stop token; 2. log π_ref is the reference's,
     V the value model's, the score the reward function's minus the EOS penalty; 3. r_t = −β·KL_t + score on the last
-    token (whitened if asked); 4. GAE, then whitened advantages; 6. the logged metrics are those of this batch."""
+    token (whitened if asked); 4. GAE, then whitened advantages; 5. the update: log-probs from the hidden states in
+    chunks, the learning rate's schedule, the target_kl stop; 6. the logged metrics are those of this batch."""
+    monkeypatch.setattr(P, "logprobs_chunk_rows", lambda vocab_size: 4)  # the chunked output layer, as at scale
     calls = spy_on_updates(monkeypatch)
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:count_w1", total_episodes=24,
                     stop_token_id=5, temperature=0.7, kl_coef=0.1, gamma=0.9, lam=0.8, kl_estimator=kl_estimator,
-                    whiten_rewards=whiten_rewards, missing_eos_penalty=missing_eos_penalty)
+                    whiten_rewards=whiten_rewards, missing_eos_penalty=missing_eos_penalty, anneal_lr=anneal_lr,
+                    target_kl=target_kl)
     P.main(args)
     metrics, ref = read_metrics(args.output_dir), loaded(tiny, "gpt2")
     tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
     assert len(calls) == len(metrics) == 3
-    for (batch, logprobs, values, _), m in zip(calls, metrics):
+    for (batch, logprobs, values, model), m in zip(calls, metrics):
+        assert model.fused_head and m["lr"] == pytest.approx(1e-3 * (1 - (m["update"] - 1) / 3 if anneal_lr else 1))
+        # target_kl: the first step is at ρ = 1 (approx KL 0), the second minibatch's approx KL exceeds 1e-9: stop
+        assert m["policy/epochs"] == (1.0 if target_kl else 2.0)
         mask, start, lengths = batch["response_mask"], batch["context_length"], batch["lengths"].tolist()
         responses = batch["query_responses"][:, start:]
-        assert torch.allclose(batch["logprobs"][mask], logprobs[mask], atol=1e-5) and (batch["logprobs"][~mask] == 0).all()
+        assert torch.allclose(batch["logprobs"][mask], logprobs[mask], atol=1e-5)
+        assert (batch["logprobs"][~mask] == 0).all()
         for row, n in zip(responses.tolist(), lengths):
             assert 5 not in row[: n - 1] and (n == responses.shape[1] or row[n - 1] == 5)
         with torch.no_grad():
@@ -677,7 +720,8 @@ def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypat
         advantages = gae_naive(rewards, batch["values"].double(), mask, 0.9, 0.8)
         returns = advantages + batch["values"].double()
         real = advantages[mask]
-        assert torch.allclose(batch["advantages"][mask].double(), (real - real.mean()) / (real.var() + 1e-8).sqrt(), atol=1e-5)
+        expected = (real - real.mean()) / (real.var() + 1e-8).sqrt()
+        assert torch.allclose(batch["advantages"][mask].double(), expected, atol=1e-5)
         assert (batch["advantages"][~mask] == 0).all()
         assert torch.allclose(batch["returns"][mask].double(), returns[mask], atol=1e-5)
         kl_per_sequence = [sum(k for b2, k in kls if b2 == b) for b in range(len(lengths))]
@@ -711,13 +755,14 @@ def test_tracking_sends_the_metrics_to_wandb(tiny, tmp_path, monkeypatch):
     assert logged[-1][2] == read_metrics(args.output_dir)[-1]
 
 
-# ------------------------------------------------------------------------------------------ bad input
+# ------------------------------------------------------------------------------------------------------------ bad input
 BAD_INPUTS = {
     "missing model": (dict(model_name_or_path="/no/such/model"), "--model_name_or_path"),
     "empty prompts": (dict(dataset="EMPTY"), "--dataset"),
     "unreadable prompts": (dict(dataset="/no/such/prompts.txt"), "--dataset"),
     "minibatches": (dict(per_device_train_batch_size=6, num_mini_batches=4), "--num_mini_batches"),
-    "accumulation": (dict(per_device_train_batch_size=6, gradient_accumulation_steps=2, num_mini_batches=4), "--gradient_accumulation_steps"),
+    "accumulation": (dict(per_device_train_batch_size=6, gradient_accumulation_steps=2, num_mini_batches=4),
+                     "--gradient_accumulation_steps"),
     "response length": (dict(response_length=0), "--response_length"),
     "epochs": (dict(num_ppo_epochs=0), "--num_ppo_epochs"),
     "wrong count": (dict(reward_model_path=None, reward_fn=f"{__file__}:wrong_count"), "--reward_fn"),
@@ -757,8 +802,10 @@ def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
     assert open(os.path.join(args.output_dir, "metrics.jsonl")).read() == before
 
 
-def test_non_finite_losses_skip_updates_then_abort(tiny, tmp_path, capsys):
-    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:huge_score", total_episodes=64)
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])  # fp16: GradScaler would skip such steps silently, forever
+def test_non_finite_losses_skip_updates_then_abort(tiny, tmp_path, capsys, dtype):
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:huge_score", total_episodes=64,
+                    dtype=dtype)
     with pytest.raises(SystemExit, match="non-finite") as exc:
         P.main(args)
     assert "\n" not in str(exc.value)
@@ -772,15 +819,17 @@ def test_hub_dataset_without_the_datasets_package(tiny, tmp_path, monkeypatch):
         P.main(run_args(tiny, tmp_path, dataset="someone/prompts"))
 
 
-# ------------------------------------------------------------------------------------------ checkpoints and resume
-DETERMINISTIC_KEYS = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "memory/")) and k != "eps"}  # noqa: E731
+# ----------------------------------------------------------------------------------------------- checkpoints and resume
+def DETERMINISTIC_KEYS(m):
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "memory/")) and k != "eps"}
 
 
 def cli_run(tiny, output_dir, *extra):
     cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1",
            "--dataset", tiny["prompts"], "--output_dir", output_dir, "--total_episodes", "96",
            "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
-           "--response_length", "6", "--learning_rate", "1e-3", "--num_sample_generations", "0", "--save_every", "1", *extra]
+           "--response_length", "6", "--learning_rate", "1e-3", "--num_sample_generations", "0", "--save_every", "1",
+           *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
 
@@ -834,7 +883,8 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
     args = run_args(tiny, tmp_path, total_episodes=24, save_every=1)  # 3 updates; checkpoints 2 and 3 are kept
     P.main(args)
     newest = os.path.join(args.output_dir, "checkpoint-000003")
-    assert sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint")) == ["checkpoint-000002", newest[-17:]]
+    checkpoints = sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint"))
+    assert checkpoints == ["checkpoint-000002", newest[-17:]]
     weights = os.path.join(newest, "state.pt")
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
@@ -875,7 +925,7 @@ def test_the_non_finite_streak_survives_a_resume(tiny, tmp_path, capsys):
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
 
 
-# ------------------------------------------------------------------------------------------ torchrun: DDP and FSDP2
+# ---------------------------------------------------------------------------------------------- torchrun: DDP and FSDP2
 # Two gloo processes on CPU. Collectives time out after 60 s, so a hang fails the test instead of stalling CI.
 needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -884,7 +934,8 @@ needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.
 def torchrun(*args, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
            "--dist_timeout_s", "60", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @needs_gloo
@@ -892,16 +943,18 @@ def torchrun(*args, timeout=300):
 def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode):
     out = str(tmp_path / mode)
     flags = ["--model_name_or_path", tiny["gpt2"], "--reward_model_path", tiny["gpt2_rm"], "--dataset", tiny["prompts"],
-             "--output_dir", out, "--total_episodes", "32", "--per_device_train_batch_size", "8", "--num_mini_batches", "2",
-             "--num_ppo_epochs", "2", "--response_length", "6", "--num_sample_generations", "0", "--save_every", "1",
-             "--distributed", mode] + (["--shard_frozen_models"] if mode == "fsdp" else [])
+             "--output_dir", out, "--total_episodes", "32", "--per_device_train_batch_size", "8",
+             "--num_mini_batches", "2", "--num_ppo_epochs", "2", "--response_length", "6",
+             "--num_sample_generations", "0", "--save_every", "1", "--distributed", mode]
+    flags += ["--shard_frozen_models"] if mode == "fsdp" else []
     result = torchrun(*flags)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["episode"] for m in metrics] == [16, 32]  # 2 ranks x 8 prompts per update, one line per update
     assert result.stdout.count("update 1/2 ") == 1 and "2 processes" in result.stdout  # rank 0 alone prints
     check_run(out, tiny["gpt2"], metrics, value_init=tiny["gpt2_rm"])
-    assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "metrics.jsonl", "policy", "value_model"]
+    assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "metrics.jsonl", "policy",
+                                       "value_model"]
     last = torch.load(os.path.join(out, "checkpoint-000002", "state.pt"), weights_only=True)["model"]
     for name, weights in final_weights(out).items():  # the saved models are the whole trained ones, not a shard
         assert all(torch.equal(value, last[f"{name}.{key}"]) for key, value in weights.items()) and len(weights) > 20
@@ -914,7 +967,8 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode):
 @needs_gloo
 def test_torchrun_builtin_task(tmp_path):
     out = str(tmp_path / "builtin")
-    result = torchrun("--distributed", "fsdp", "--output_dir", out, "--total_episodes", "768", "--num_sample_generations", "0")
+    result = torchrun("--distributed", "fsdp", "--output_dir", out, "--total_episodes", "768",
+                      "--num_sample_generations", "0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [m["episode"] for m in read_metrics(out)] == [256, 512, 768]  # 2 ranks x 128 prompts per update
 
@@ -978,7 +1032,7 @@ def spy_on_updates(monkeypatch):
         with torch.no_grad():
             logprobs, _, values = model(batch["query_responses"], batch["attention_mask"], batch["context_length"],
                                         args.temperature)
-        calls.append(({k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}, logprobs, values, args))
+        calls.append(({k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}, logprobs, values, model))
         return real(model, optimizer, scaler, batch, args, sizes, rt)
 
     monkeypatch.setattr(P, "ppo_epochs", spy)
@@ -998,7 +1052,7 @@ def fixed_rollout(tiny, tmp_path, batch_size):
 
 def one_update(tiny, batch, mode, gradient_accumulation_steps):
     """One PPO update (2 epochs, 1 minibatch: 2 optimizer steps) on `batch`; -> the full weights afterwards."""
-    policy, value_model = loaded(tiny, "gpt2"), loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")
+    policy, value_model = loaded(tiny, "gpt2"), loaded_value(tiny)
     if mode == "fsdp":
         P.shard(policy), P.shard(value_model)
     model = P.PolicyAndValue(policy, value_model, fused_head=mode != "fsdp")  # as main() does
@@ -1036,11 +1090,43 @@ def test_two_ranks_with_half_the_batch_make_the_same_update_as_one_rank(tiny, tm
     spawn_2(update_worker, tiny, str(tmp_path / "batch.pt"), mode, str(tmp_path / "weights.pt"))
     two_ranks = torch.load(tmp_path / "weights.pt")
     one_rank = one_update(tiny, batch, "none", gradient_accumulation_steps=1)  # the full logits, 1 micro-batch of 8
-    initial = P.full_state_dict(P.PolicyAndValue(loaded(tiny, "gpt2"), loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")))
+    initial = P.full_state_dict(P.PolicyAndValue(loaded(tiny, "gpt2"), loaded_value(tiny)))
     assert two_ranks.keys() == one_rank.keys()
     assert sum(not torch.equal(one_rank[k], initial[k]) for k in one_rank) > len(one_rank) // 2  # it did train
     for k in one_rank:
         assert torch.allclose(two_ranks[k], one_rank[k], atol=2e-6), k
+
+
+def test_ppo_epochs_clips_and_weighs_as_its_flags_say(tiny, tmp_path):
+    """On a fixed batch with plain SGD (lr 1, so a step moves the weights by exactly the clipped gradient): every step's
+    gradient norm is clipped to max_grad_norm; vf_coef 0 leaves the value model untouched; a tiny cliprange and
+    cliprange_value clip most tokens; the stats are of the model's own entropy."""
+    batch = fixed_rollout(tiny, tmp_path, 8)
+
+    def run(lr, **flags):
+        model = P.PolicyAndValue(loaded(tiny, "gpt2"), loaded_value(tiny))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        args = P.Args(per_device_train_batch_size=8, **flags)
+        torch.manual_seed(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        trained = P.ppo_epochs(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batch, args,
+                               P.check_args(args), P.Runtime())
+        moved = {k: (v - before[k]).norm() ** 2 for k, v in model.state_dict().items()}
+        return model, trained, {part: sum(v for k, v in moved.items() if k.startswith(part)) ** 0.5
+                                for part in ("policy.", "value_model.")}
+
+    model, trained, moved = run(1.0, num_ppo_epochs=2, num_mini_batches=2, max_grad_norm=1e-3, vf_coef=0.0,
+                                cliprange=1e-6)
+    assert trained.optimizer_steps == 4 and min(trained.stats["policy/grad_norm"]) > 1e-2  # clipping had work to do
+    assert 1e-3 < moved["policy."] <= 4e-3 * (1 + 1e-4) and moved["value_model."] == 0
+    assert torch.stack(trained.stats["policy/clipfrac_avg"][1:]).mean() > 0.2  # after the first step, ρ ≠ 1
+    _, trained, _ = run(1e-2, num_ppo_epochs=2, num_mini_batches=1, vf_coef=1.0, cliprange_value=1e-6)
+    assert trained.stats["val/clipfrac_avg"][1] > 0.5
+    model, trained, moved = run(0.0, num_ppo_epochs=1, num_mini_batches=1)  # one micro-batch: all 8 rows, no step
+    with torch.no_grad():
+        _, entropy, _ = model(batch["query_responses"], batch["attention_mask"], batch["context_length"], 1.0)
+    assert torch.isclose(trained.stats["policy/entropy_avg"][0], P.masked_mean(entropy, batch["response_mask"]))
+    assert trained.stats["val/ratio"][0] == 1 and trained.stats["policy/approxkl_avg"][0] == 0
 
 
 def frozen_worker(rank, port, tiny, out_file):
@@ -1093,3 +1179,33 @@ def test_fsdp_ranks_that_stop_at_different_lengths_do_not_hang(tiny, tmp_path, u
         n = ref_tokens.shape[1]  # the sharded policy samples the same tokens with the same log-probs
         assert torch.equal(tokens[:, :n], ref_tokens) and torch.allclose(logprobs[:, :n], ref_logprobs, atol=1e-5)
         assert (tokens[:, n:] == 0).all()  # a rank kept in step by the others only adds padding
+
+
+def main_worker(rank, port, tiny, output_dir, out_file):
+    """One rank of a 2-rank run of main() with the real wiring, recording what it hands to the PPO update."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")  # as torchrun sets them
+    init_gloo(rank, port)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = spy_on_updates(monkeypatch)
+        P.main(P.Args(model_name_or_path=tiny["gpt2"], reward_fn=f"{__file__}:num_words", dataset=tiny["prompts"],
+                      output_dir=output_dir, total_episodes=16, per_device_train_batch_size=4, num_mini_batches=1,
+                      num_ppo_epochs=1, response_length=6, stop_token_id=5, whiten_rewards=True,
+                      num_sample_generations=0))
+    torch.save([batch for batch, *_ in calls], f"{out_file}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+@needs_gloo
+def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_batch(tiny, tmp_path):
+    spawn_2(main_worker, tiny, str(tmp_path / "run"), str(tmp_path / "out"))
+    ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    assert [len(r) for r in ranks] == [2, 2] and len(read_metrics(tmp_path / "run")) == 2
+    for update in range(2):
+        a, b = ranks[0][update], ranks[1][update]
+        queries = [r["query_responses"][:, : r["context_length"]] for r in (a, b)]
+        assert queries[0].shape != queries[1].shape or not torch.equal(*queries)  # each rank its own prompts
+        for key, shifted in (("advantages", True), ("rewards", False)):  # rewards: unit variance, mean kept
+            both = torch.cat([a[key][a["response_mask"]], b[key][b["response_mask"]]]).double()
+            assert abs(both.var() - 1) < 1e-4 and (not shifted or abs(both.mean()) < 1e-5), key
+            alone = a[key][a["response_mask"]].double()  # the test has teeth: one rank's own statistics differ
+            assert abs(alone.var() - 1) > 1e-3 or abs(alone.mean() - both.mean()) > 1e-3
