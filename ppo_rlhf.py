@@ -25,7 +25,7 @@ Sections. The algorithm, top to bottom (a first reading can stop after main):
     options (Args, check_args) · math (pure) · π and V on padded batches · rollout and scoring · the PPO update · main
 Then what it loads: models, data and rewards (the built-in task). Then the systems, each skippable on a first
 reading: distributed (torchrun, DDP, FSDP2, statistics over ranks) · memory-efficient log-probs · checkpoints,
-resume and signals · logging.
+resume and signals · logging and metrics.
 """
 import atexit
 import copy
@@ -576,18 +576,19 @@ def main(args: Args):
         # each rank takes its own slice of the update's global batch, and its own seed (ints hash to themselves,
         # so this is the same in every run): a resumed run continues exactly, with no RNG state to restore
         rows = prompt_indices(len(prompts.ids), sizes.local_batch_size, update, args.seed, rt.rank, rt.world_size)
+        rows = rows.tolist()
         random.seed(hash((args.seed, update, rt.rank)))
         torch.manual_seed(hash((args.seed, update, rt.rank)) % 2**63)
         model.eval()  # dropout is off anyway; eval() keeps the KV cache on under gradient checkpointing
 
         # 1. rollout: sample responses with the current policy π_old, keeping log π_old of each sampled token
-        queries, query_mask = left_pad([prompts.ids[i] for i in rows.tolist()], models.tokenizer.pad_token_id)
+        queries, query_mask = left_pad([prompts.ids[i] for i in rows], models.tokenizer.pad_token_id)
         batch = rollout(models, queries.to(rt.device), query_mask.to(rt.device), args, rt)
         mask = batch["response_mask"]  # (B, R), True = real response token
         clock.lap("generate")
 
         # 2. score: log π_ref and V(s_t) of every response token, and the score of each response
-        batch.update(score(models, batch, prompts, rows.tolist(), args, rt))
+        batch.update(score(models, batch, prompts, rows, args, rt))
         scores = batch["raw_scores"]  # (B,)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~batch["contains_eos"]).float()
@@ -614,13 +615,13 @@ def main(args: Args):
 
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
         metrics, token_counts = update_metrics(batch, trained, models, args, rt)
-        log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows.tolist())
+        log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows)
         stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # a signal on any rank
         if stop or (args.save_every and (update + 1) % args.save_every == 0):
-            path = save_checkpoint(output_dir, update + 1, bad_updates, model, optimizer, lr_scheduler, scaler, args,
-                                   rt)
+            saved = save_checkpoint(output_dir, update + 1, bad_updates, model, optimizer, lr_scheduler, scaler,
+                                    args, rt)
             if stop:
-                log.print(f"saved {path}; continue with the same flags plus --resume auto")
+                log.print(f"saved {saved}; continue with the same flags plus --resume auto")
                 return log.last
     save_final(model, models, output_dir, rt)
     log.finish(f"saved policy and value model to {output_dir}")

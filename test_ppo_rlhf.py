@@ -583,6 +583,19 @@ def test_reward_model_with_another_tokenizer_scores_like_unpadded_single_texts(t
         assert batched.shape == (3,) and torch.allclose(batched, single, atol=1e-5), key
 
 
+def test_a_reward_model_with_its_own_tokenizer_reads_chat_prompts_through_its_chat_template(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny["other_rm"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    model = loaded(tiny, "other_rm", AutoModelForSequenceClassification)
+    prompts = SimpleNamespace(texts=["w9 w8", "w1 w2"], messages=[None, [{"role": "user", "content": "w1 w2"}]])
+    scores = P.score_texts(model, tokenizer, prompts, [1, 0], ["w3 w4", " w5"])
+    expected = P.score_texts(model, tokenizer, SimpleNamespace(texts=["user w1 w2 assistant w3 w4 "], messages=[None]),
+                             [0], [""])
+    assert torch.allclose(scores[:1], expected, atol=1e-5)
+    plain = P.score_texts(model, tokenizer, SimpleNamespace(texts=["w1 w2"], messages=[None]), [0], ["w3 w4"])
+    assert not torch.allclose(scores[:1], plain, atol=1e-3)  # the template's words changed the score
+
+
 def test_chat_messages_use_the_chat_template(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
     tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -620,6 +633,22 @@ def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path):
     check_run(args.output_dir, tiny["gpt2"], metrics, value_init=tiny["gpt2_rm"])
 
 
+def test_the_reward_model_scores_each_response_at_its_last_real_token(tiny, tmp_path, monkeypatch):
+    """What main() scores with a reward model that shares the policy's vocabulary: its score head read at the last
+    real token of prompt + response, computed here on each sequence alone, without padding."""
+    calls = spy_on_updates(monkeypatch)
+    P.main(run_args(tiny, tmp_path, stop_token_id=5, local_rollout_forward_batch_size=3, seed=3))
+    reward_model = loaded(tiny, "gpt2", AutoModelForSequenceClassification, "gpt2_rm")
+    assert min(batch["lengths"].min() for batch, *_ in calls) < 6  # responses of several lengths
+    for batch, *_ in calls:
+        for ids, mask, n, score in zip(batch["query_responses"], batch["attention_mask"], batch["lengths"],
+                                       batch["raw_scores"]):
+            sequence = ids[: batch["context_length"] + n][mask[: batch["context_length"] + n]][None]
+            with torch.no_grad():
+                expected = reward_model.score(reward_model.transformer(sequence).last_hidden_state[0, -1])[0]
+            assert torch.isclose(score, expected, atol=1e-5), (score, expected)
+
+
 def test_end_to_end_cli_with_a_reward_function(tiny, tmp_path):
     out = str(tmp_path / "cli")
     cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["llama"], "--reward_fn", f"{__file__}:count_w1",
@@ -653,10 +682,17 @@ def test_end_to_end_mixed_precision_and_checkpointing(tiny, tmp_path, monkeypatc
     args = run_args(tiny, tmp_path, dtype=dtype, gradient_checkpointing=gradient_checkpointing, missing_eos_penalty=1.0)
     block_calls, real = [], P.ppo_epochs
 
-    def counting(model, *rest):  # forwards of the first decoder block's MLP in the PPO epochs (inside a checkpoint)
+    def counting(model, optimizer, scaler, batch, *rest):  # the first block's MLP forwards in the PPO epochs
+        if dtype != "fp32":  # log π_old is the training forward's under autocast, bit for bit (not the sampler's)
+            ids = batch["query_responses"][:, : batch["context_length"] + batch["lengths"].max()]
+            with torch.no_grad(), torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]):
+                logprobs = P.response_logprobs(model.policy, ids, batch["attention_mask"][:, : ids.shape[1]],
+                                               batch["context_length"], 1.0)[0]
+            mask = batch["response_mask"][:, : logprobs.shape[1]]
+            assert torch.equal(batch["logprobs"][:, : logprobs.shape[1]][mask], logprobs[mask])
         hook = model.policy.transformer.h[0].mlp.register_forward_pre_hook(lambda *_: block_calls.append(1))
         try:
-            return real(model, *rest)
+            return real(model, optimizer, scaler, batch, *rest)
         finally:
             hook.remove()
 
@@ -908,6 +944,12 @@ def test_every_run_only_field_is_a_field_and_a_checkpoint_predating_a_flag_resum
     torch.save(state, os.path.join(first, "state.pt"))
     with pytest.raises(SystemExit, match="--whiten_rewards"):  # it ran without whitening: whitening now is refused
         P.main(dataclasses.replace(args, resume=first, whiten_rewards=True))
+    state["world_size"] = 2  # written by 2 processes: the prompt stream of 1 would differ
+    torch.save(state, os.path.join(first, "state.pt"))
+    with pytest.raises(SystemExit, match="2 processes"):
+        P.main(dataclasses.replace(args, resume=first))
+    state["world_size"] = 1
+    torch.save(state, os.path.join(first, "state.pt"))
     # the default is what it ran with; run-only flags may change on resume
     P.main(dataclasses.replace(args, resume=first, num_sample_generations=3, save_total_limit=5, exp_name="other"))
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
@@ -1199,9 +1241,14 @@ def main_worker(rank, port, tiny, output_dir, out_file):
 def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_batch(tiny, tmp_path):
     spawn_2(main_worker, tiny, str(tmp_path / "run"), str(tmp_path / "out"))
     ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
-    assert [len(r) for r in ranks] == [2, 2] and len(read_metrics(tmp_path / "run")) == 2
+    metrics = read_metrics(tmp_path / "run")
+    assert [len(r) for r in ranks] == [2, 2] and len(metrics) == 2
     for update in range(2):
         a, b = ranks[0][update], ranks[1][update]
+        returns, values = (torch.cat([a[k][a["response_mask"]], b[k][b["response_mask"]]]).double()
+                           for k in ("returns", "values"))
+        explained = 1 - (returns - values).var() / returns.var()  # of the global batch, not of one rank
+        assert metrics[update]["val/explained_variance"] == pytest.approx(explained.item(), abs=1e-5)
         queries = [r["query_responses"][:, : r["context_length"]] for r in (a, b)]
         assert queries[0].shape != queries[1].shape or not torch.equal(*queries)  # each rank its own prompts
         for key, shifted in (("advantages", True), ("rewards", False)):  # rewards: unit variance, mean kept
