@@ -29,6 +29,7 @@ resume and signals · logging and metrics.
 """
 import atexit
 import copy
+import gc
 import importlib
 import inspect
 import json
@@ -1330,5 +1331,6 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     main(tyro.cli(Args))
-    if dist.is_initialized():
+    if dist.is_initialized():  # FSDP2's modules hold the process group in reference cycles: free them first, as a
+        gc.collect()  # group torn down while Python exits can abort the process ("terminate called ...")
         dist.destroy_process_group()

@@ -2,6 +2,7 @@
 tiny GPT-2 and Llama models saved with save_pretrained and loaded back, and the whole loop end to end. CPU only,
 nothing downloaded. Run: pytest -q test_ppo_rlhf.py"""
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -1029,6 +1030,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+def finish_gloo():
+    """Leave the process group once the models that hold it (FSDP2 and DDP keep it in reference cycles) are freed: a
+    group torn down while Python exits can abort the process ("terminate called without an active exception")."""
+    gc.collect()
+    torch.distributed.destroy_process_group()
+
+
 def spawn_2(worker, *args):
     torch.multiprocessing.spawn(worker, args=(free_port(), *args), nprocs=2, join=True)
 
@@ -1045,7 +1053,7 @@ def whiten_worker(rank, port, data_file, out_file):
     x, mask = torch.load(data_file)
     half = slice(rank * 5, rank * 5 + 5)
     torch.save(whitened(x[half], mask[half]), f"{out_file}.{rank}")
-    torch.distributed.destroy_process_group()
+    finish_gloo()
 
 
 @needs_gloo
@@ -1120,7 +1128,7 @@ def update_worker(rank, port, tiny, batch_file, mode, out_file):
     weights = one_update(tiny, half, mode, gradient_accumulation_steps=2)  # 2 micro-batches of 2 per rank
     if rank == 0:
         torch.save(weights, out_file)
-    torch.distributed.destroy_process_group()
+    finish_gloo()
 
 
 @needs_gloo
@@ -1180,7 +1188,8 @@ def frozen_worker(rank, port, tiny, out_file):
         logprobs = P.response_logprobs(ref_policy, ids, mask, 2, 1.0)[0]
     kinds = {type(p).__name__ for p in ref_policy.parameters()}  # a DTensor is a shard; a plain tensor is whole
     torch.save((logprobs, kinds), f"{out_file}.{rank}")
-    torch.distributed.destroy_process_group()
+    del ref_policy
+    finish_gloo()
 
 
 @needs_gloo
@@ -1208,7 +1217,8 @@ def generate_worker(rank, port, tiny, unshard, out_file):
     with torch.no_grad(), P.gathered(policy, unshard):
         sharded = P.generate(policy, queries, query_mask, 8, 0.01, stop, pad_token_id=0, sync_ranks=not unshard)
     torch.save((reference, sharded), f"{out_file}.{rank}")
-    torch.distributed.destroy_process_group()
+    del policy
+    finish_gloo()
 
 
 @needs_gloo
@@ -1234,7 +1244,8 @@ def main_worker(rank, port, tiny, output_dir, out_file):
                       num_ppo_epochs=1, response_length=6, stop_token_id=5, whiten_rewards=True,
                       num_sample_generations=0))
     torch.save([batch for batch, *_ in calls], f"{out_file}.{rank}")
-    torch.distributed.destroy_process_group()
+    del calls  # it holds the DDP model
+    finish_gloo()
 
 
 @needs_gloo
