@@ -876,10 +876,16 @@ def final_weights(output_dir):
     return {name: load_file(os.path.join(output_dir, name, "model.safetensors")) for name in ("policy", "value_model")}
 
 
+@pytest.fixture(scope="module")
+def straight(tiny, tmp_path_factory):
+    """The output folder of cli_run() left to finish: what a stopped and resumed run must reproduce."""
+    output_dir = str(tmp_path_factory.mktemp("straight") / "run")
+    assert cli_run(tiny, output_dir).wait(timeout=300) == 0
+    return output_dir
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig):
-    straight = str(tmp_path / "straight")
-    assert cli_run(tiny, straight).wait(timeout=300) == 0
+def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig, straight):
     killed = str(tmp_path / "killed")
     process = cli_run(tiny, killed)
     deadline = time.time() + 300
