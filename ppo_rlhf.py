@@ -33,6 +33,7 @@ import gc
 import importlib
 import inspect
 import json
+import math
 import os
 import pickle
 import random
@@ -177,6 +178,20 @@ RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num
                    "dist_timeout_s"}
 
 
+# The allowed values of every flag with a range, checked by check_args: (test, flags) by what is allowed.
+FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradient_accumulation_steps",
+                                          "num_mini_batches", "num_ppo_epochs", "response_length",
+                                          "local_rollout_forward_batch_size", "total_episodes"]),
+               "> 0": (lambda v: v > 0, ["temperature", "cliprange", "cliprange_value", "max_grad_norm",
+                                        "dist_timeout_s"]),
+               ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
+                                          "num_sample_generations"]),
+               "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
+               "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl"]),
+               "a token id >= 0 (or unset)": (lambda v: v is None or v >= 0, ["stop_token_id"]),
+               "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty"])}
+
+
 def fail(message):
     """Bad input ends the run with one line naming the flag to fix (no traceback); nothing written is touched."""
     raise SystemExit(f"error: {message}")
@@ -186,10 +201,13 @@ def check_args(args):
     """Every check that needs only the flags (and torchrun's WORLD_SIZE), before anything is loaded or started.
     -> the derived sizes. Per rank (`local_`): the rollout batch of local_batch_size prompts is split into
     num_mini_batches minibatches (one optimizer step each) of gradient_accumulation_steps micro-batches."""
+    for allowed, (ok, flags) in FLAG_RANGES.items():
+        for flag in flags:  # NaN fails every comparison; inf is refused too
+            value = getattr(args, flag)
+            if not ok(value) or (isinstance(value, float) and not math.isfinite(value)):
+                fail(f"--{flag} {value} is out of range: it must be {allowed}")
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    if min(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches) < 1:
-        fail("--per_device_train_batch_size, --gradient_accumulation_steps and --num_mini_batches must be >= 1")
     if local_batch_size % args.num_mini_batches:
         fail(f"rollout batch {local_batch_size} (--per_device_train_batch_size x --gradient_accumulation_steps) "
              f"is not divisible by --num_mini_batches {args.num_mini_batches}")
@@ -197,18 +215,14 @@ def check_args(args):
     if local_mini_batch_size % args.gradient_accumulation_steps:
         fail(f"minibatch {local_mini_batch_size} is not divisible by --gradient_accumulation_steps "
              f"{args.gradient_accumulation_steps}")
-    for flag, value in [("num_ppo_epochs", args.num_ppo_epochs), ("response_length", args.response_length)]:
-        if value < 1:
-            fail(f"--{flag} must be >= 1, got {value}")
-    if args.temperature <= 0:
-        fail(f"--temperature must be > 0, got {args.temperature}")
     batch_size = local_batch_size * world_size  # prompts per update over all ranks
     if args.total_episodes < batch_size:
         fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size} over all ranks)")
     if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
         fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
     if args.reward_model_path is None and args.reward_fn is None and args.dataset != "builtin":
-        fail("no reward for these prompts: give --reward_model_path or --reward_fn")
+        fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in reward scores only "
+             "the built-in task's sums)")
     return SimpleNamespace(world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
                            local_mini_batch_size=local_mini_batch_size,
                            micro_batch_size=local_mini_batch_size // args.gradient_accumulation_steps,
@@ -555,22 +569,23 @@ def update_stats(stats, mb, new_logprobs, entropy, cliprange, pg_loss, pg_clipfr
 
 # ----------------------------------------------------------------------------- main: setup, then the loop in six phases
 def main(args: Args):
-    sizes = check_args(args)  # flags only: a bad one fails here, before anything is loaded or started
+    sizes = agreed(check_args, args)  # flags only: a bad one fails here, before anything is loaded or started
     transformers.utils.logging.disable_progress_bar()  # loading and saving bars would bury the per-update lines
     model_path, dataset = builtin_task(args)  # written before the process group exists (see build_addition_task)
     rt = start_processes(args)  # torchrun: join the process group; device and precision
-    output_dir = run_folder(args, rt)
+    output_dir = from_rank_0(args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    inputs = agreed(check_inputs, args, model_path, dataset, output_dir)  # files: fails before any model loads
+    prompts = inputs.prompts
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same on every rank: a new value head starts identical everywhere
-    models = load_models(args, model_path, rt)
-    prompts = load_prompts(dataset, args, models.tokenizer, models.policy)
+    models = load_models(args, model_path, inputs, rt)
     model = wrap_for_training(models, args, rt)  # policy and value model as one module; DDP or FSDP2 under torchrun
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-8,
                                   weight_decay=0.0, fused=rt.device.type in ("cpu", "cuda"))  # fp32 state
     schedule = lambda u: 1.0 - u / sizes.num_updates if args.anneal_lr else 1.0  # noqa: E731
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
-    log = Logger(args, output_dir, sizes, rt, len(prompts.texts))
+    log = Logger(args, output_dir, sizes, rt, len(prompts.texts), models)
     start_update, bad_updates = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log)
     for update in range(start_update, sizes.num_updates):
         clock = Clock()
@@ -643,22 +658,38 @@ def count_bad_updates(bad_updates, stop_reason, update, log):
 # --------------------------------------------------------------------------------------------- models, data and rewards
 def from_pretrained(cls, path, flag, args, **kwargs):
     """cls.from_pretrained(path), or one line naming the flag when that fails."""
+    if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(path)):
+        fail(f"--{flag} {path!r}: no such folder (give a model folder, or a hub name like org/model)")
     try:
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: weights of other shapes than the config's
         fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
 
 
-def load_pretrained(cls, path, flag, args, **kwargs):
-    """A model with dropout off (it would make the training forward disagree with the rollout's π_old)."""
+def load_pretrained(cls, path, flag, args, new_head=False, **kwargs):
+    """A model with dropout off (it would make the training forward disagree with the rollout's π_old). Weights the
+    checkpoint lacks (or has in excess) get one warning line instead of transformers' load report; new_head: a new
+    `score` head is expected (a value model started from a causal LM), and model.new_head says if it was made."""
     config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)
-    model = from_pretrained(cls, path, flag, args, config=config)
+    no_report = lambda record: "LOAD REPORT" not in record.getMessage()  # noqa: E731  (reported below, in one line)
+    transformers_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
+    transformers_log.addFilter(no_report)
+    try:
+        model, info = from_pretrained(cls, path, flag, args, config=config, output_loading_info=True)
+    finally:
+        transformers_log.removeFilter(no_report)
+    missing = [k for k in info["missing_keys"] if not (new_head and k.startswith("score."))]
+    for kind, keys in (("missing from", missing), ("unused by", info["unexpected_keys"])):
+        if keys:
+            print(f"warning: --{flag} {path!r}: {len(keys)} weights {kind} the checkpoint "
+                  f"({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})", file=sys.stderr)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    model.new_head = new_head and any(k.startswith("score.") for k in info["missing_keys"])
     return model
 
 
@@ -677,11 +708,48 @@ def fit_tokenizer(model, tokenizer):
     model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def load_models(args, model_path, rt):
-    """The policy's tokenizer and every model, on rt.device: the policy and the value model (trained, fp32), the
-    reference policy (default: a copy of the initial policy) and a reward model, or a reward function. Frozen models
-    are held in the autocast dtype; a reward model whose vocabulary differs from the policy's keeps its tokenizer."""
+def check_inputs(args, model_path, dataset, output_dir):
+    """Every check that needs files but no model weights, so that bad input fails before minutes of loading: the
+    output folder, the checkpoint to resume, the models' configs (a reward model must be a sequence classifier with
+    one label), the policy's tokenizer, the prompts and the reward function. -> tokenizer, prompts, reward_fn."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        fail(f"--output_dir {output_dir!r} is a file; give a folder")
+    parent = os.path.abspath(output_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        fail(f"--output_dir {output_dir!r} cannot be written ({parent!r} is not writable)")
+    if os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and not args.resume:
+        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto or choose another "
+             "--output_dir")
+    if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
+        fail(f"--resume {args.resume!r} is not a checkpoint folder (no state.pt); give one, or `auto`")
+    config = from_pretrained(AutoConfig, model_path, "model_name_or_path", args)
+    for flag in ("ref_model_path", "value_model_path"):
+        if getattr(args, flag):
+            from_pretrained(AutoConfig, getattr(args, flag), flag, args)
+    if args.reward_model_path:
+        reward_config = from_pretrained(AutoConfig, args.reward_model_path, "reward_model_path", args)
+        kind = (reward_config.architectures or [type(reward_config).__name__])[0]
+        if not kind.endswith("ForSequenceClassification"):
+            fail(f"--reward_model_path {args.reward_model_path!r} is a {kind} checkpoint, which has no reward head; "
+                 "give a sequence classifier (*ForSequenceClassification) with one label")
+        if reward_config.num_labels != 1:
+            fail(f"--reward_model_path {args.reward_model_path!r} is a {kind} with {reward_config.num_labels} "
+                 "labels; a reward model has 1")
     tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, model_path, "model_name_or_path", args))
+    prompts = load_prompts(dataset, args, tokenizer, getattr(config, "max_position_embeddings", None))
+    reward_fn = None  # a reward model, if given, scores instead
+    if not args.reward_model_path:  # check_args allows the built-in reward with the built-in prompts only
+        reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else addition_reward
+    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, reward_fn=reward_fn)
+
+
+def load_models(args, model_path, inputs, rt):
+    """Every model, on rt.device: the policy and the value model (trained, fp32), the reference policy (default: a copy
+    of the initial policy) and a reward model, or the reward function. Frozen models are held in the autocast dtype; a
+    reward model whose vocabulary differs from the policy's keeps its tokenizer."""
+    tokenizer = inputs.tokenizer
     stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
         tokenizer.eos_token_id if args.stop_token == "eos" else None)
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args)
@@ -689,12 +757,10 @@ def load_models(args, model_path, rt):
     ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args)
                   if args.ref_model_path else copy.deepcopy(policy))
     fit_tokenizer(ref_policy, tokenizer)
-    reward_model = reward_tokenizer = reward_fn = None
+    reward_model = reward_tokenizer = None
     if args.reward_model_path:
         path = args.reward_model_path
         reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args)
-        if reward_model.config.num_labels != 1:
-            fail(f"--reward_model_path {path!r} has {reward_model.config.num_labels} labels; a reward model has 1")
         reward_tokenizer = from_pretrained(AutoTokenizer, path, "reward_model_path", args)
         if tokenizer.get_vocab().items() >= reward_tokenizer.get_vocab().items():
             reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
@@ -702,13 +768,11 @@ def load_models(args, model_path, rt):
         elif reward_tokenizer.pad_token is None:
             reward_tokenizer.pad_token = reward_tokenizer.eos_token
         reward_model.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
-    else:  # check_args made sure that the built-in reward is only used with the built-in prompts
-        reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else addition_reward
     # the value model reads the policy's token ids: start from the reward model only if it shares the vocabulary
     value_path = args.value_model_path or (args.reward_model_path if reward_model is not None and reward_tokenizer
                                            is None else model_path)
     value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args,
-                                  num_labels=1)
+                                  new_head=True, num_labels=1)
     if not hasattr(value_model, "score"):
         fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
              "(a *ForSequenceClassification of a causal LM)")
@@ -719,8 +783,11 @@ def load_models(args, model_path, rt):
     # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
     # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
     return SimpleNamespace(tokenizer=tokenizer, stop_token_id=stop_token_id, policy=policy, ref_policy=ref_policy,
-                           value_model=value_model, reward_model=reward_model, reward_tokenizer=reward_tokenizer,
-                           reward_fn=reward_fn, policy_head=None if rt.fsdp else output_layer(policy),
+                           value_model=value_model, reward_model=reward_model,
+                           value_source=f"--value_model_path {value_path}" if args.value_model_path else
+                           "the reward model" if value_path == args.reward_model_path else "the policy",
+                           reward_tokenizer=reward_tokenizer, reward_fn=inputs.reward_fn,
+                           policy_head=None if rt.fsdp else output_layer(policy),
                            ref_head=None if rt.fsdp and args.shard_frozen_models else output_layer(ref_policy))
 
 
@@ -746,15 +813,14 @@ def left_pad(sequences, pad_token_id):
     return ids, mask
 
 
-def load_prompts(dataset, args, tokenizer, policy):
+def load_prompts(dataset, args, tokenizer, context):
     """-> texts, token ids and chat messages (None for plain text) of the prompts, checked: some, none empty, and
-    each short enough for the policy's context with --response_length."""
+    each short enough for the policy's context (its max_position_embeddings, if any) with --response_length."""
     texts, ids, messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
     if not texts:
         fail(f"--dataset {dataset!r} holds no prompts")
     if min(len(i) for i in ids) == 0:
         fail(f"--dataset {dataset!r}: prompt {[len(i) for i in ids].index(0)} is empty after tokenization")
-    context = getattr(policy.config, "max_position_embeddings", None)
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
     if context and len(ids[longest]) + args.response_length > context:
         fail(f"--dataset: prompt {longest} has {len(ids[longest])} tokens, which with --response_length "
@@ -813,9 +879,12 @@ def load_reward_fn(spec):
     if not module or not name:
         fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
     try:
-        return (runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module)))[name]
-    except (ImportError, KeyError, OSError) as e:
+        namespace = runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module))
+    except (ImportError, OSError) as e:
         fail(f"--reward_fn {spec!r} cannot be loaded: {type(e).__name__}: {e}")
+    if not callable(namespace.get(name)):
+        fail(f"--reward_fn {spec!r}: {module} has no function {name!r}")
+    return namespace[name]
 
 
 def check_scores(scores, n, source):
@@ -934,6 +1003,32 @@ def from_rank_0(obj):
     return holder[0]
 
 
+def agreed(check, *args):
+    """check(*args) on every rank; if it fails on any, every rank stops: rank 0 prints the first failure's line, the
+    others exit quietly (one line per run, not per rank). No collective may run inside check. -> what it returned."""
+    try:
+        result, error = check(*args), None
+    except SystemExit as e:
+        result, error = None, str(e)
+    errors = [error]
+    if dist.is_available() and dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e]
+    if failed:
+        leave_process_group()  # every rank is here, none in a collective: leave together
+        raise SystemExit(failed[0] if int(os.environ.get("RANK", 0)) == 0 else 1)
+    return result
+
+
+def leave_process_group():
+    """Free FSDP2's modules first (they hold the process group in reference cycles): a group torn down while Python
+    exits can abort the process ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
 def global_mean_var(x, mask):
     """Mean and unbiased variance of the real entries of the global batch: over all ranks under torchrun, so each
     rank gets what one process holding the concatenated batch would. Two passes (Σx, then Σ(x − μ)²) for accuracy."""
@@ -954,8 +1049,10 @@ def wrap_for_training(models, args, rt):
     """The policy and the value model as one PolicyAndValue module, with gradient checkpointing if asked. Under
     torchrun, DDP (whole models on every rank, gradients averaged by all-reduce) or FSDP2 (every rank keeps
     1/world_size of their weights, gradients and optimizer state; with --shard_frozen_models, of the frozen ones)."""
-    if args.gradient_checkpointing:
-        for model in (models.policy, models.value_model):
+    for model in (models.policy, models.value_model) if args.gradient_checkpointing else ():
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24; the old name is deprecated
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     frozen = [models.ref_policy, models.reward_model] if args.shard_frozen_models else []
     for model in [models.policy, models.value_model] + frozen if rt.fsdp else []:
@@ -1082,15 +1179,6 @@ def output_layer(model):
 
 
 # --------------------------------------------- checkpoints, resume and signals (systems: a first reading may skip this)
-def run_folder(args, rt):
-    """The output folder (a default one is named by rank 0's clock); an existing run in it is never overwritten."""
-    output_dir = from_rank_0(args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
-    if os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and not args.resume:
-        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto or choose another "
-             "--output_dir")
-    return output_dir
-
-
 def full_state_dict(model, optimizer=None):
     """The full (unsharded) state of a plain, DDP or FSDP2 model, on CPU, keyed by parameter name; with an optimizer,
     its state too. A collective under torchrun: every rank calls it, rank 0 gets the tensors."""
@@ -1263,7 +1351,7 @@ class Logger:
     """Rank 0 prints a start line and a line per update (and sample completions num_sample_generations times), and
     appends one JSON object per update to metrics.jsonl (and sends it to wandb with --track)."""
 
-    def __init__(self, args, output_dir, sizes, rt, num_prompts):
+    def __init__(self, args, output_dir, sizes, rt, num_prompts, models):
         self.args, self.sizes, self.rt, self.last, self.first_update = args, sizes, rt, None, None
         self.path, n, self.wandb = os.path.join(output_dir, "metrics.jsonl"), args.num_sample_generations, None
         self.sample_every = max(1, sizes.num_updates // n) if n else 0
@@ -1280,7 +1368,8 @@ class Logger:
         self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} prompts ({mode}"
                    f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
                    f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
-                   f"device {rt.device}, {args.dtype}, output {output_dir}")
+                   f"device {rt.device}, {args.dtype}, output {output_dir}; value model from {models.value_source}"
+                   f"{' with a new score head' if models.value_model.new_head else ''}")
         self.start_time = time.time()
 
     def print(self, *lines, file=sys.stdout):
@@ -1331,6 +1420,4 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     main(tyro.cli(Args))
-    if dist.is_initialized():  # FSDP2's modules hold the process group in reference cycles: free them first, as a
-        gc.collect()  # group torn down while Python exits can abort the process ("terminate called ...")
-        dist.destroy_process_group()
+    leave_process_group()

@@ -2,7 +2,6 @@
 tiny GPT-2 and Llama models saved with save_pretrained and loaded back, and the whole loop end to end. CPU only,
 nothing downloaded. Run: pytest -q test_ppo_rlhf.py"""
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -793,27 +792,102 @@ def test_tracking_sends_the_metrics_to_wandb(tiny, tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------------ bad input
-BAD_INPUTS = {
-    "missing model": (dict(model_name_or_path="/no/such/model"), "--model_name_or_path"),
-    "empty prompts": (dict(dataset="EMPTY"), "--dataset"),
-    "unreadable prompts": (dict(dataset="/no/such/prompts.txt"), "--dataset"),
-    "minibatches": (dict(per_device_train_batch_size=6, num_mini_batches=4), "--num_mini_batches"),
-    "accumulation": (dict(per_device_train_batch_size=6, gradient_accumulation_steps=2, num_mini_batches=4),
-                     "--gradient_accumulation_steps"),
-    "response length": (dict(response_length=0), "--response_length"),
-    "epochs": (dict(num_ppo_epochs=0), "--num_ppo_epochs"),
-    "wrong count": (dict(reward_model_path=None, reward_fn=f"{__file__}:wrong_count"), "--reward_fn"),
-    "nan score": (dict(reward_model_path=None, reward_fn=f"{__file__}:nan_score"), "--reward_fn"),
-    "prompt too long": (dict(response_length=30), "--response_length"),
+OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps": 0, "num_mini_batches": 0,
+                "num_ppo_epochs": 0, "response_length": 0, "local_rollout_forward_batch_size": 0, "total_episodes": 0,
+                "temperature": 0.0, "cliprange": -0.1, "cliprange_value": 0.0, "max_grad_norm": float("inf"),
+                "dist_timeout_s": 0, "learning_rate": -1.0, "kl_coef": float("nan"), "vf_coef": -0.1, "save_every": -1,
+                "save_total_limit": -1, "num_sample_generations": -1, "gamma": 1.5, "lam": -0.01, "target_kl": 0.0,
+                "stop_token_id": -1, "missing_eos_penalty": float("nan")}
+
+
+def file_case(case, tiny, tmp_path):
+    """A bad input that needs files (made here) or more than one flag: -> (flags, the flag the error must name)."""
+    jsonl = tmp_path / "prompts.jsonl"
+    if case == "csv prompts":
+        (tmp_path / "prompts.csv").write_text("w1 w2\n")
+        return dict(dataset=str(tmp_path / "prompts.csv")), "--dataset"
+    if case in ("bad jsonl", "chat prompts, no chat template", "empty prompts"):
+        chat = '{"messages": [{"role": "user", "content": "w1"}]}\n'
+        jsonl.write_text({"bad jsonl": '{"prompt": "w1"}\n{"text": "w2"}\n', "empty prompts": "\n  \n",
+                          "chat prompts, no chat template": chat}[case])
+        return dict(dataset=str(jsonl)), "--dataset"
+    if case == "reward model with 2 labels":
+        config("gpt2", len(WORDS), num_labels=2, architectures=["GPT2ForSequenceClassification"]).save_pretrained(
+            str(tmp_path / "rm2"))
+        return dict(reward_model_path=str(tmp_path / "rm2")), "--reward_model_path"
+    if case == "output_dir is a file":
+        (tmp_path / "run").write_text("notes")
+        return {}, "--output_dir"
+    if case == "a run is in output_dir":
+        os.makedirs(tmp_path / "run")
+        (tmp_path / "run" / "metrics.jsonl").write_text('{"update": 1}\n')
+        return {}, "--output_dir"
+    return {
+        "missing policy": (dict(model_name_or_path="/no/such/model"), "--model_name_or_path"),
+        "missing reference": (dict(ref_model_path=str(tmp_path / "nothing")), "--ref_model_path"),
+        "missing value model": (dict(value_model_path=str(tmp_path / "nothing")), "--value_model_path"),
+        "missing reward model": (dict(reward_model_path=str(tmp_path / "nothing")), "--reward_model_path"),
+        "a causal LM as reward model": (dict(reward_model_path=tiny["gpt2"]), "--reward_model_path"),
+        "missing prompts": (dict(dataset="/no/such/prompts.txt"), "--dataset"),
+        "a prompt too long": (dict(response_length=30), "--response_length"),
+        "own prompts, no reward": (dict(reward_model_path=None), "--reward_fn"),
+        "reward_fn without a colon": (dict(reward_model_path=None, reward_fn="count_w1"), "--reward_fn"),
+        "missing reward module": (dict(reward_model_path=None, reward_fn="no_such_module:f"), "--reward_fn"),
+        "missing reward function": (dict(reward_model_path=None, reward_fn=f"{__file__}:no_such"), "--reward_fn"),
+        "missing checkpoint": (dict(resume=str(tmp_path / "checkpoint-000001")), "--resume"),
+        "minibatches do not divide": (dict(per_device_train_batch_size=6, num_mini_batches=4), "--num_mini_batches"),
+        "micro-batches do not divide": (dict(per_device_train_batch_size=6, gradient_accumulation_steps=2,
+                                             num_mini_batches=4), "--gradient_accumulation_steps"),
+        "fp16 with fsdp": (dict(dtype="fp16", distributed="fsdp"), "--dtype"),
+    }[case]
+
+
+FILE_CASES = ["missing policy", "missing reference", "missing value model", "missing reward model",
+              "a causal LM as reward model", "reward model with 2 labels", "missing prompts", "csv prompts",
+              "bad jsonl", "empty prompts", "chat prompts, no chat template", "a prompt too long",
+              "own prompts, no reward", "reward_fn without a colon", "missing reward module", "missing reward function",
+              "output_dir is a file", "a run is in output_dir", "missing checkpoint", "minibatches do not divide",
+              "micro-batches do not divide", "fp16 with fsdp"]
+
+
+def test_the_bad_input_table_covers_every_ranged_flag():
+    assert set(OUT_OF_RANGE) == {flag for _, flags in P.FLAG_RANGES.values() for flag in flags}
+
+
+@pytest.mark.parametrize("case", [f"--{flag}" for flag in OUT_OF_RANGE] + FILE_CASES)
+def test_bad_input_fails_in_one_line_before_any_model_loads_and_writes_nothing(tiny, tmp_path, monkeypatch, case):
+    if case.startswith("--"):
+        overrides, flag = {case[2:]: OUT_OF_RANGE[case[2:]]}, case
+    else:
+        overrides, flag = file_case(case, tiny, tmp_path)
+    if case == "fp16 with fsdp":
+        monkeypatch.setenv("RANK", "0")  # as under torchrun; the check comes before the process group would start
+    args = run_args(tiny, tmp_path, **overrides)
+    before = sorted(os.listdir(tmp_path))
+
+    def no_models(*_):
+        raise AssertionError("a model was loaded before the bad input was found")
+
+    monkeypatch.setattr(P, "load_models", no_models)
+    with pytest.raises(SystemExit) as exc:
+        P.main(args)
+    message = str(exc.value)
+    assert message.startswith("error: ") and flag in message and "\n" not in message, message
+    assert sorted(os.listdir(tmp_path)) == before  # no output folder made, none touched
+    if case == "a run is in output_dir":
+        assert os.listdir(args.output_dir) == ["metrics.jsonl"]
+
+
+RUNTIME_CASES = {  # found only once the models run: still one line, and no metrics or model written
+    "a reward function returning the wrong count": (dict(reward_model_path=None, reward_fn=f"{__file__}:wrong_count"),
+                                                     "--reward_fn"),
+    "a reward function returning NaN": (dict(reward_model_path=None, reward_fn=f"{__file__}:nan_score"), "--reward_fn"),
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_gets_a_one_line_error_and_writes_nothing(tiny, tmp_path, case):
-    overrides, flag = BAD_INPUTS[case]
-    if overrides.get("dataset") == "EMPTY":
-        (tmp_path / "empty.txt").write_text("\n  \n")
-        overrides = dict(dataset=str(tmp_path / "empty.txt"))
+@pytest.mark.parametrize("case", list(RUNTIME_CASES))
+def test_bad_input_found_while_running_gets_a_one_line_error_and_writes_nothing(tiny, tmp_path, case):
+    overrides, flag = RUNTIME_CASES[case]
     args = run_args(tiny, tmp_path, **overrides)
     with pytest.raises(SystemExit) as exc:
         P.main(args)
@@ -828,6 +902,19 @@ def test_bad_input_on_the_command_line_has_no_traceback(tmp_path):
                              str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: --model_name_or_path")
+
+
+def test_the_default_run_starts_quietly(tmp_path):
+    """The first lines are the start line (it names the value model's new head) and the first update: no progress
+    bar, no load report."""
+    out = str(tmp_path / "run")
+    result = subprocess.run([sys.executable, SCRIPT, "--total_episodes", "256", "--output_dir", out],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("ppo_rlhf: 2 updates") and lines[0].endswith("value model from the policy with a "
+                                                                           "new score head")
+    assert lines[1].startswith("update 1/2 ")
 
 
 def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
@@ -1022,6 +1109,17 @@ def test_torchrun_builtin_task(tmp_path):
     assert [m["episode"] for m in read_metrics(out)] == [256, 512, 768]  # 2 ranks x 128 prompts per update
 
 
+@needs_gloo
+def test_bad_input_under_torchrun_is_one_line_from_the_whole_run(tiny, tmp_path):
+    for flags, expected in ((["--learning_rate", "-1"], "error: --learning_rate -1.0 is out of range"),  # flags
+                            (["--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1", "--dataset",
+                              str(tmp_path / "none.txt")], "error: --dataset")):  # files: checked by every rank
+        result = torchrun("--output_dir", str(tmp_path / "run"), *flags, timeout=120)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode != 0 and len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
+        assert "terminate called" not in result.stderr and not os.path.exists(tmp_path / "run")
+
+
 def init_gloo(rank, port):
     import datetime
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -1034,13 +1132,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def finish_gloo():
-    """Leave the process group once the models that hold it (FSDP2 and DDP keep it in reference cycles) are freed: a
-    group torn down while Python exits can abort the process ("terminate called without an active exception")."""
-    gc.collect()
-    torch.distributed.destroy_process_group()
 
 
 def spawn_2(worker, *args):
@@ -1059,7 +1150,7 @@ def whiten_worker(rank, port, data_file, out_file):
     x, mask = torch.load(data_file)
     half = slice(rank * 5, rank * 5 + 5)
     torch.save(whitened(x[half], mask[half]), f"{out_file}.{rank}")
-    finish_gloo()
+    P.leave_process_group()  # once the models that hold the group are freed
 
 
 @needs_gloo
@@ -1134,7 +1225,7 @@ def update_worker(rank, port, tiny, batch_file, mode, out_file):
     weights = one_update(tiny, half, mode, gradient_accumulation_steps=2)  # 2 micro-batches of 2 per rank
     if rank == 0:
         torch.save(weights, out_file)
-    finish_gloo()
+    P.leave_process_group()  # once the models that hold the group are freed
 
 
 @needs_gloo
@@ -1195,7 +1286,7 @@ def frozen_worker(rank, port, tiny, out_file):
     kinds = {type(p).__name__ for p in ref_policy.parameters()}  # a DTensor is a shard; a plain tensor is whole
     torch.save((logprobs, kinds), f"{out_file}.{rank}")
     del ref_policy
-    finish_gloo()
+    P.leave_process_group()  # once the models that hold the group are freed
 
 
 @needs_gloo
@@ -1224,7 +1315,7 @@ def generate_worker(rank, port, tiny, unshard, out_file):
         sharded = P.generate(policy, queries, query_mask, 8, 0.01, stop, pad_token_id=0, sync_ranks=not unshard)
     torch.save((reference, sharded), f"{out_file}.{rank}")
     del policy
-    finish_gloo()
+    P.leave_process_group()  # once the models that hold the group are freed
 
 
 @needs_gloo
@@ -1251,7 +1342,7 @@ def main_worker(rank, port, tiny, output_dir, out_file):
                       num_sample_generations=0))
     torch.save([batch for batch, *_ in calls], f"{out_file}.{rank}")
     del calls  # it holds the DDP model
-    finish_gloo()
+    P.leave_process_group()  # once the models that hold the group are freed
 
 
 @needs_gloo
