@@ -850,6 +850,11 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "micro-batches do not divide", "fp16 with fsdp"]
 
 
+MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
+            "reward model with 2 labels": "with 2 labels", "missing policy": "no such folder",
+            "output_dir is a file": "is a file", "missing reward function": "has no function 'no_such'"}
+
+
 def test_the_bad_input_table_covers_every_ranged_flag():
     assert set(OUT_OF_RANGE) == {flag for _, flags in P.FLAG_RANGES.values() for flag in flags}
 
@@ -873,6 +878,7 @@ def test_bad_input_fails_in_one_line_before_any_model_loads_and_writes_nothing(t
         P.main(args)
     message = str(exc.value)
     assert message.startswith("error: ") and flag in message and "\n" not in message, message
+    assert MUST_SAY.get(case, "") in message  # what is wrong, not only where
     assert sorted(os.listdir(tmp_path)) == before  # no output folder made, none touched
     if case == "a run is in output_dir":
         assert os.listdir(args.output_dir) == ["metrics.jsonl"]
