@@ -595,7 +595,7 @@ def main(args: Args):
         rows = rows.tolist()
         random.seed(hash((args.seed, update, rt.rank)))
         torch.manual_seed(hash((args.seed, update, rt.rank)) % 2**63)
-        model.eval()  # dropout is off anyway; eval() keeps the KV cache on under gradient checkpointing
+        model.eval()  # dropout is off anyway; transformers 4.x drops the KV cache of a checkpointed train()-mode model
 
         # 1. rollout: sample responses with the current policy π_old, keeping log π_old of each sampled token
         queries, query_mask = left_pad([prompts.ids[i] for i in rows], models.tokenizer.pad_token_id)
@@ -674,7 +674,9 @@ def load_pretrained(cls, path, flag, args, new_head=False, **kwargs):
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)
-    no_report = lambda record: "LOAD REPORT" not in record.getMessage()  # noqa: E731  (reported below, in one line)
+    def no_report(record):  # transformers' load report (5.x: "LOAD REPORT", 4.x: "Some weights of"), said below
+        return "LOAD REPORT" not in record.getMessage() and not record.getMessage().startswith("Some weights of")
+
     transformers_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
     transformers_log.addFilter(no_report)
     try:

@@ -609,8 +609,8 @@ def test_chat_messages_use_the_chat_template(tiny):
 # ----------------------------------------------------------------------------------------------------------- end to end
 def check_run(output_dir, initial_path, metrics, value_init=None):
     assert metrics and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
-    first = metrics[0]
-    assert abs(first["policy/first_ratio"] - 1) < 1e-5 and abs(first["policy/first_approxkl"]) < 1e-6
+    for m in metrics:  # every update's rollout sampled from the policy it then trains (π_θ = π_old at first)
+        assert abs(m["policy/first_ratio"] - 1) < 1e-5 and abs(m["policy/first_approxkl"]) < 1e-6, m["update"]
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy"))
     initial = AutoModelForCausalLM.from_pretrained(initial_path)
     changed = [not torch.equal(a, b) for a, b in zip(policy.state_dict().values(), initial.state_dict().values())]
