@@ -178,7 +178,7 @@ RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num
                    "dist_timeout_s"}
 
 
-# The allowed values of every flag with a range, checked by check_args: (test, flags) by what is allowed.
+# What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
 FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradient_accumulation_steps",
                                           "num_mini_batches", "num_ppo_epochs", "response_length",
                                           "local_rollout_forward_batch_size", "total_episodes"]),
@@ -674,6 +674,7 @@ def load_pretrained(cls, path, flag, args, new_head=False, **kwargs):
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)
+
     def no_report(record):  # transformers' load report (5.x: "LOAD REPORT", 4.x: "Some weights of"), said below
         return "LOAD REPORT" not in record.getMessage() and not record.getMessage().startswith("Some weights of")
 
@@ -712,8 +713,9 @@ def fit_tokenizer(model, tokenizer):
 
 def check_inputs(args, model_path, dataset, output_dir):
     """Every check that needs files but no model weights, so that bad input fails before minutes of loading: the
-    output folder, the checkpoint to resume, the models' configs (a reward model must be a sequence classifier with
-    one label), the policy's tokenizer, the prompts and the reward function. -> tokenizer, prompts, reward_fn."""
+    output folder, the checkpoint to resume, wandb for --track, the models' configs (a reward model must be a sequence
+    classifier with one label), the policy's tokenizer, the prompts, the reward function. -> tokenizer, prompts,
+    reward_fn."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output_dir {output_dir!r} is a file; give a folder")
     parent = os.path.abspath(output_dir)
@@ -726,6 +728,11 @@ def check_inputs(args, model_path, dataset, output_dir):
              "--output_dir")
     if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
         fail(f"--resume {args.resume!r} is not a checkpoint folder (no state.pt); give one, or `auto`")
+    if args.track:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            fail("--track needs `pip install wandb`")
     config = from_pretrained(AutoConfig, model_path, "model_name_or_path", args)
     for flag in ("ref_model_path", "value_model_path"):
         if getattr(args, flag):
@@ -733,7 +740,7 @@ def check_inputs(args, model_path, dataset, output_dir):
     if args.reward_model_path:
         reward_config = from_pretrained(AutoConfig, args.reward_model_path, "reward_model_path", args)
         kind = (reward_config.architectures or [type(reward_config).__name__])[0]
-        if not kind.endswith("ForSequenceClassification"):
+        if reward_config.architectures and not kind.endswith("ForSequenceClassification"):
             fail(f"--reward_model_path {args.reward_model_path!r} is a {kind} checkpoint, which has no reward head; "
                  "give a sequence classifier (*ForSequenceClassification) with one label")
         if reward_config.num_labels != 1:
@@ -1357,11 +1364,8 @@ class Logger:
         self.args, self.sizes, self.rt, self.last, self.first_update = args, sizes, rt, None, None
         self.path, n, self.wandb = os.path.join(output_dir, "metrics.jsonl"), args.num_sample_generations, None
         self.sample_every = max(1, sizes.num_updates // n) if n else 0
-        if args.track and rt.rank == 0:
-            try:
-                import wandb
-            except ImportError:
-                fail("--track needs `pip install wandb`")
+        if args.track and rt.rank == 0:  # check_inputs found it importable
+            import wandb
             self.wandb = wandb
             wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir), config=asdict(args))
         if rt.rank == 0:

@@ -839,6 +839,7 @@ def file_case(case, tiny, tmp_path):
         "micro-batches do not divide": (dict(per_device_train_batch_size=6, gradient_accumulation_steps=2,
                                              num_mini_batches=4), "--gradient_accumulation_steps"),
         "fp16 with fsdp": (dict(dtype="fp16", distributed="fsdp"), "--dtype"),
+        "tracking without wandb": (dict(track=True), "--track"),
     }[case]
 
 
@@ -847,7 +848,7 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "bad jsonl", "empty prompts", "chat prompts, no chat template", "a prompt too long",
               "own prompts, no reward", "reward_fn without a colon", "missing reward module", "missing reward function",
               "output_dir is a file", "a run is in output_dir", "missing checkpoint", "minibatches do not divide",
-              "micro-batches do not divide", "fp16 with fsdp"]
+              "micro-batches do not divide", "fp16 with fsdp", "tracking without wandb"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
@@ -867,6 +868,8 @@ def test_bad_input_fails_in_one_line_before_any_model_loads_and_writes_nothing(t
         overrides, flag = file_case(case, tiny, tmp_path)
     if case == "fp16 with fsdp":
         monkeypatch.setenv("RANK", "0")  # as under torchrun; the check comes before the process group would start
+    if case == "tracking without wandb":
+        monkeypatch.setitem(sys.modules, "wandb", None)
     args = run_args(tiny, tmp_path, **overrides)
     before = sorted(os.listdir(tmp_path))
 
