@@ -93,7 +93,7 @@ class Args:
     reward_model_path: Optional[str] = None
     """reward model (sequence classifier, 1 label); if given it is used instead of --reward_fn"""
     reward_fn: Optional[str] = None
-    """`module:function` or `file.py:function`: (prompts, completions) -> floats; default: the built-in task's"""
+    """`module:function` or `file.py:function`: (prompts, completions) -> floats; unset: the built-in task's"""
     dataset: str = "builtin"
     """prompts: a .txt (one per line), a .jsonl (`prompt`, or chat `messages`), or a hub dataset (needs `datasets`)"""
     dataset_train_split: str = "train"
