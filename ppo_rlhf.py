@@ -431,23 +431,26 @@ def score(models, batch, prompts, rows, args, rt):
     real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on padding), the completions' text, and raw_scores
     (B,): the reward model's at the last real token (or on the text, with its own tokenizer), or the reward
     function's. With bf16/fp16, log π_old is recomputed by the training forward: the first ratio is then exactly 1."""
-    P, lengths, mask, logprobs = batch["context_length"], batch["lengths"], batch["response_mask"], batch["logprobs"]
+    context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
+    logprobs = batch["logprobs"]  # (B, R), the sampler's; recomputed below under bf16/fp16
     ref_logprobs, values = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, R)
     raw_scores, chunk = torch.zeros(len(mask), device=rt.device), args.local_rollout_forward_batch_size
     with rt.no_grad(), rt.autocast():
         for i in range(0, len(mask), chunk):
             rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # cut to the longest real response
-            ids, ids_mask = batch["query_responses"][rows_i, : P + L], batch["attention_mask"][rows_i, : P + L]
-            ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, P, args.temperature,
-                                                         models.ref_head)[0]
-            values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, P)
+            width = context_length + L
+            ids, ids_mask = batch["query_responses"][rows_i, :width], batch["attention_mask"][rows_i, :width]
+            ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
+                                                         args.temperature, models.ref_head)[0]
+            values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, context_length)
             if rt.low_dtype:
-                logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask, P, args.temperature,
-                                                         models.policy_head)[0]
+                logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask, context_length,
+                                                         args.temperature, models.policy_head)[0]
             if models.reward_model is not None and models.reward_tokenizer is None:  # read at the last real token
                 token_scores = forward(models.reward_model, ids, ids_mask, L)  # (b, L): the score after each token
                 raw_scores[rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
-        responses = [r[P : P + n] for r, n in zip(batch["query_responses"].tolist(), lengths.tolist())]
+        responses = [r[context_length : context_length + n]
+                     for r, n in zip(batch["query_responses"].tolist(), lengths.tolist())]
         completions = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
         if models.reward_tokenizer is not None:
             raw_scores = torch.cat([score_texts(models.reward_model, models.reward_tokenizer, prompts,
@@ -485,7 +488,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
     gradient_accumulation_steps micro-batches. The loss is the mean over the real tokens of the minibatch on all ranks:
     a micro-batch's token mean is weighted by its share of them, times world_size (DDP and FSDP average the ranks'
     gradients). -> stats (lists per micro-batch), stop_reason, optimizer_steps, train_tokens."""
-    lengths, P = batch["lengths"], batch["context_length"]
+    lengths, context_length = batch["lengths"], batch["context_length"]
     params = [p for p in model.parameters() if p.requires_grad]
     stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
     for epoch in range(args.num_ppo_epochs):
@@ -498,9 +501,10 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                 mb = {k: batch[k][rows, :L] for k in ("response_mask", "logprobs", "values", "advantages", "returns")}
                 with gradient_sync(model, i == len(micro_batches) - 1):  # only after the minibatch's last
                     with rt.autocast():
-                        new_logprobs, entropy, new_values = model(batch["query_responses"][rows, : P + L],
-                                                                  batch["attention_mask"][rows, : P + L], P,
-                                                                  args.temperature)
+                        width = context_length + L
+                        new_logprobs, entropy, new_values = model(batch["query_responses"][rows, :width],
+                                                                  batch["attention_mask"][rows, :width],
+                                                                  context_length, args.temperature)
                     pg_loss, pg_clipfrac, approxkl = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"],
                                                                  mb["response_mask"], args.cliprange)
                     vf_loss, vf_clipfrac = value_loss(new_values.float(), mb["values"], mb["returns"],
@@ -511,7 +515,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                 update_stats(stats, mb, new_logprobs, entropy, args.cliprange, pg_loss, pg_clipfrac, approxkl, vf_loss,
                              vf_clipfrac)
                 mb_approxkl.append(approxkl.detach())
-                train_tokens += batch["attention_mask"][rows, : P + L].sum().item()
+                train_tokens += batch["attention_mask"][rows, :width].sum().item()
             # early stop and the non-finite vote use every rank's numbers, so that all ranks take the same path
             approxkl_sum, non_finite = all_ranks_sum(torch.stack([torch.stack(mb_approxkl).mean(), non_finite]))
             grad_norm = None if non_finite else optimizer_step(optimizer, scaler, params, args.max_grad_norm)
