@@ -14,6 +14,10 @@ PPO is on-policy: sample a batch with the current policy and keep each token's l
 passes of small steps over that fresh batch, then throw it away. ρ_t corrects for π_θ drifting from π_old
 inside those epochs, but only for the choice of token, not for the states a drifted policy would visit; the
 clip, the KL penalty to π_ref and target_kl early stopping keep π_θ close enough for that to hold.
+Its relatives are switches, each a few lines next to the formula it changes: k responses per prompt and value-free
+advantages from the group's scores (--num_generations, --advantage_estimator rloo|grpo|dr_grpo|reinforce_pp...),
+the KL as a loss term (--kl_in loss, --kl_estimator k2), an adaptive β, clip-higher and dual clip, the loss's
+aggregation (--loss_agg) and an entropy bonus.
 
 Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF), and Huang et al.
 2024 ("The N+ implementation details of RLHF with PPO"); flag and metric names follow TRL's PPOTrainer.
@@ -103,7 +107,7 @@ class Args:
 
     # --- rollout
     total_episodes: int = 51200
-    """prompts (episodes) over the whole run; updates = total_episodes // rollout batch"""
+    """responses (episodes) over the whole run; updates = total_episodes // rollout batch"""
     response_length: int = 2
     """most tokens sampled per response"""
     temperature: float = 1.0
@@ -119,19 +123,46 @@ class Args:
 
     # --- PPO
     per_device_train_batch_size: int = 128
-    """with gradient_accumulation_steps, the rollout batch: prompts per update = this x gradient_accumulation_steps"""
+    """with gradient_accumulation_steps, the rollout batch: responses per update = this x gradient_accumulation_steps"""
     gradient_accumulation_steps: int = 1
     """micro-batches per minibatch (one optimizer step per minibatch)"""
     num_mini_batches: int = 2
     """minibatches (optimizer steps) per pass over the rollout batch"""
     num_ppo_epochs: int = 4
     """passes over each rollout batch"""
+    num_generations: int = 1
+    """k: responses sampled per prompt, a group of k rows on one rank; batch sizes and total_episodes count responses"""
+    advantage_estimator: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
+    """gae: PPO's value model. Value-free (no value model), a baseline on the score s_i of each response, then
+    A_t = Σ_{t'≥t} γ^(t'−t)·r_t': rloo s_i − mean of the other k−1 (Ahmadian et al. 2024); grpo (s_i − mean_g) /
+    (std_g + 1e-4) (Shao et al. 2024); dr_grpo s_i − mean_g (Liu et al. 2025); reinforce_pp s_i, A whitened over the
+    batch (Hu 2025, REINFORCE++); reinforce_pp_baseline s_i − mean_g, A whitened"""
     kl_coef: float = 0.05
-    """β, the per-token KL penalty coefficient"""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """k1: log π_old/π_ref (unbiased, can be < 0); k3: ρ − 1 − log ρ with ρ = π_ref/π_old (unbiased, >= 0)"""
+    """β, the KL coefficient (0: no reference model is loaded)"""
+    kl_in: Literal["reward", "loss"] = "reward"
+    """reward: r_t −= β·KL_t (Ziegler et al. 2019); loss: loss += β·k(log π_θ − log π_ref), aggregated as --loss_agg,
+    with a gradient through π_θ (GRPO)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """with log ρ = log π_ref − log π: k1 −log ρ (unbiased, can be < 0); k2 ½(log ρ)²; k3 ρ − 1 − log ρ (unbiased,
+    >= 0) (Schulman 2020). As a loss on samples of π_θ, the expected gradient is 0 for k1, ∇KL(π_θ‖π_ref) for k2 and
+    ∇KL(π_ref‖π_θ) for k3"""
+    adaptive_kl_target: Optional[float] = None
+    """adapt β after every update towards this KL per response: β ← β·(1 + clip(KL/target − 1, ±0.2)·batch/horizon)
+    (Ziegler et al. 2019); unset: β fixed"""
+    adaptive_kl_horizon: int = 10000
+    """the horizon (in responses) of the adaptive KL controller"""
     cliprange: float = 0.2
-    """ε of the clipped surrogate"""
+    """ε of the clipped surrogate: ρ is clipped to [1 − ε, 1 + ε_high]"""
+    cliprange_high: Optional[float] = None
+    """ε_high (clip-higher, Yu et al. 2025, DAPO); unset: ε"""
+    dual_clip: Optional[float] = None
+    """c > 1: where A < 0 the token's loss is at most c·|A| (dual clip, Ye et al. 2020); unset: off"""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """how the policy, KL and entropy terms average over a minibatch: the mean over its tokens; the mean over its
+    responses of their token means (GRPO); Σ tokens / (responses x response_length) (Dr. GRPO). The value loss stays
+    a token mean"""
+    entropy_coef: float = 0.0
+    """c_H: loss −= c_H·(entropy of π_θ, aggregated as --loss_agg)"""
     cliprange_value: float = 0.2
     """ε_v of the clipped value loss"""
     vf_coef: float = 0.1
@@ -181,15 +212,17 @@ RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num
 # What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
 FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradient_accumulation_steps",
                                           "num_mini_batches", "num_ppo_epochs", "response_length",
-                                          "local_rollout_forward_batch_size", "total_episodes"]),
+                                          "local_rollout_forward_batch_size", "total_episodes", "num_generations",
+                                          "adaptive_kl_horizon"]),
                "> 0": (lambda v: v > 0, ["temperature", "cliprange", "cliprange_value", "max_grad_norm",
                                         "dist_timeout_s"]),
                ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
                                           "num_sample_generations"]),
                "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
-               "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl"]),
+               "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high"]),
+               "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
                "a token id >= 0 (or unset)": (lambda v: v is None or v >= 0, ["stop_token_id"]),
-               "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty"])}
+               "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef"])}
 
 
 def fail(message):
@@ -211,6 +244,18 @@ def check_args(args):
     if local_batch_size % args.num_mini_batches:
         fail(f"rollout batch {local_batch_size} (--per_device_train_batch_size x --gradient_accumulation_steps) "
              f"is not divisible by --num_mini_batches {args.num_mini_batches}")
+    if local_batch_size % args.num_generations:
+        fail(f"rollout batch {local_batch_size} (--per_device_train_batch_size x --gradient_accumulation_steps) "
+             f"is not divisible by --num_generations {args.num_generations}")
+    if args.num_generations == 1 and args.advantage_estimator in ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline"):
+        fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one prompt: give "
+             "--num_generations >= 2")
+    if args.value_model_path and args.advantage_estimator != "gae":
+        fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has no value model")
+    if args.ref_model_path and args.kl_coef == 0:
+        fail("--ref_model_path is unused: --kl_coef 0 has no KL term")
+    if args.adaptive_kl_target is not None and args.kl_coef == 0:
+        fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
     local_mini_batch_size = local_batch_size // args.num_mini_batches
     if local_mini_batch_size % args.gradient_accumulation_steps:
         fail(f"minibatch {local_mini_batch_size} is not divisible by --gradient_accumulation_steps "
@@ -224,6 +269,7 @@ def check_args(args):
         fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in reward scores only "
              "the built-in task's sums)")
     return SimpleNamespace(world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
+                           local_num_prompts=local_batch_size // args.num_generations,
                            local_mini_batch_size=local_mini_batch_size,
                            micro_batch_size=local_mini_batch_size // args.gradient_accumulation_steps,
                            num_updates=args.total_episodes // batch_size)
@@ -268,10 +314,28 @@ def response_lengths(responses, stop_token_id):
 
 
 def kl_estimate(logprobs, ref_logprobs, kl_estimator):
-    """Per-token estimate of KL(π_old‖π_ref) from tokens sampled by π_old: k1 = −log ρ, k3 = ρ − 1 − log ρ,
-    with ρ = π_ref/π_old (Schulman 2020, "Approximating KL divergence")."""
+    """Per-token estimate of KL(π‖π_ref) from tokens sampled by π: k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ,
+    with ρ = π_ref/π (Schulman 2020, "Approximating KL divergence"). k1 and k3 are unbiased, k2 is biased but is the
+    one whose expected gradient as a loss is ∇KL(π‖π_ref) (see --kl_estimator)."""
     log_ratio = ref_logprobs - logprobs
+    if kl_estimator == "k2":
+        return 0.5 * log_ratio**2
     return -log_ratio if kl_estimator == "k1" else log_ratio.exp() - 1 - log_ratio
+
+
+def baselined_scores(scores, num_generations, advantage_estimator):
+    """The score s_i (B,) minus its baseline, from the k = num_generations consecutive responses to one prompt (a
+    group g): rloo s_i − (Σ_g s − s_i)/(k − 1); grpo (s_i − mean_g)/(std_g + 1e-4) (std unbiased, as TRL);
+    dr_grpo and reinforce_pp_baseline s_i − mean_g; gae and reinforce_pp s_i itself."""
+    if advantage_estimator in ("gae", "reinforce_pp"):
+        return scores
+    groups = scores.view(-1, num_generations)  # (B/k, k)
+    if advantage_estimator == "rloo":
+        return (groups - (groups.sum(1, keepdim=True) - groups) / (num_generations - 1)).flatten()
+    centered = groups - groups.mean(1, keepdim=True)
+    if advantage_estimator == "grpo":
+        centered = centered / (groups.std(1, keepdim=True) + 1e-4)
+    return centered.flatten()
 
 
 def per_token_rewards(scores, kl, response_mask, kl_coef):
@@ -296,17 +360,40 @@ def gae(rewards, values, response_mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange):
-    """Clipped surrogate −E[min(ρ·A, clip(ρ, 1−ε, 1+ε)·A)]; also the fraction of tokens where the clip is active
-    and the approx KL(π_old‖π_θ) ≈ E[(ρ − 1) − log ρ] (k3, unbiased and >= 0)."""
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, cliprange_high=None, dual_clip=None):
+    """The clipped surrogate per token (B, T): max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), and where A < 0 at most c·|A|
+    (dual clip: a huge ρ on a bad token cannot blow up the loss). Also token means: the fraction of tokens where the
+    clip is active, where the dual clip is, and the approx KL(π_old‖π_θ) ≈ E[(ρ − 1) − log ρ] (k3, unbiased, >= 0)."""
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + (cliprange_high or cliprange))
+    loss = torch.max(unclipped, clipped)
+    dual_clipped = torch.zeros_like(mask)
+    if dual_clip is not None:
+        dual_clipped = (advantages < 0) & (loss > -dual_clip * advantages)
+        loss = torch.where(dual_clipped, -dual_clip * advantages, loss)
     clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), mask)
     approxkl = masked_mean((ratio - 1) - log_ratio, mask)
-    return loss, clipfrac, approxkl
+    return loss, clipfrac, masked_mean(dual_clipped.to(ratio.dtype), mask), approxkl
+
+
+def aggregate(x, mask, loss_agg, response_length):
+    """A minibatch's loss from per-token terms x (B, T), as --loss_agg says: token_mean Σ x / Σ m; seq_mean_token_mean
+    the mean over responses of Σ_t x / length; seq_mean_token_sum_norm Σ x / (B·response_length), a constant
+    denominator (Dr. GRPO: no length bias)."""
+    if loss_agg == "token_mean":
+        return masked_mean(x, mask)
+    per_response = torch.where(mask, x, 0.0).sum(-1)  # (B,)
+    if loss_agg == "seq_mean_token_mean":
+        return (per_response / mask.sum(-1)).mean()
+    return per_response.sum() / (len(x) * response_length)
+
+
+def adaptive_kl_coef(kl_coef, kl, target, batch_size, horizon):
+    """The adaptive KL controller of Ziegler et al. 2019: β ← β·(1 + clip(KL/target − 1, −0.2, 0.2)·batch/horizon),
+    KL the batch's mean KL per response: β grows while the policy runs away from π_ref, shrinks while it stays near."""
+    return kl_coef * (1 + min(max(kl / target - 1, -0.2), 0.2) * batch_size / horizon)
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value):
@@ -365,7 +452,8 @@ def state_values(value_model, query_responses, attention_mask, context_length):
 
 
 class PolicyAndValue(torch.nn.Module):
-    """The two trained models as one module: DDP then averages all their gradients in one pass of buckets."""
+    """The two trained models as one module: DDP then averages all their gradients in one pass of buckets. Without a
+    value model (value-free estimators), the policy alone."""
 
     def __init__(self, policy, value_model, fused_head=False):
         super().__init__()
@@ -377,6 +465,8 @@ class PolicyAndValue(torch.nn.Module):
         head = self.policy.get_output_embeddings() if self.fused_head else None
         logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length,
                                               temperature, head)
+        if self.value_model is None:  # a value-free advantage estimator
+            return logprobs, entropy, None
         return logprobs, entropy, state_values(self.value_model, query_responses, attention_mask, context_length)
 
 
@@ -440,9 +530,11 @@ def score(models, batch, prompts, rows, args, rt):
             rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # cut to the longest real response
             width = context_length + L
             ids, ids_mask = batch["query_responses"][rows_i, :width], batch["attention_mask"][rows_i, :width]
-            ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
-                                                         args.temperature, models.ref_head)[0]
-            values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, context_length)
+            if models.ref_policy is not None:
+                ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
+                                                             args.temperature, models.ref_head)[0]
+            if models.value_model is not None:
+                values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, context_length)
             if rt.low_dtype:
                 logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask, context_length,
                                                          args.temperature, models.policy_head)[0]
@@ -459,6 +551,8 @@ def score(models, batch, prompts, rows, args, rt):
     if models.reward_fn is not None:
         raw_scores = check_scores(models.reward_fn([prompts.texts[r] for r in rows], completions), len(mask),
                                   f"--reward_fn {args.reward_fn or 'addition_reward'}").to(rt.device)
+    if models.ref_policy is None:  # --kl_coef 0: π_ref stands in as π_old, so every KL estimate is 0
+        ref_logprobs = logprobs
     return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
                 values=values, completions=completions, raw_scores=raw_scores)
 
@@ -485,36 +579,42 @@ def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
 # ------------------------------------------------------------------------------------------------------- the PPO update
 def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
     """Phase 5: num_ppo_epochs passes over this rank's batch in shuffled minibatches (one optimizer step each) of
-    gradient_accumulation_steps micro-batches. The loss is the mean over the real tokens of the minibatch on all ranks:
-    a micro-batch's token mean is weighted by its share of them, times world_size (DDP and FSDP average the ranks'
-    gradients). -> stats (lists per micro-batch), stop_reason, optimizer_steps, train_tokens."""
+    gradient_accumulation_steps micro-batches. The loss is that of the whole minibatch on all ranks: a micro-batch's
+    is weighted by its share of the minibatch's tokens (token means) or responses (--loss_agg by response), times
+    world_size (DDP and FSDP average the ranks' gradients). -> stats (lists per micro-batch), stop_reason,
+    optimizer_steps, train_tokens."""
     lengths, context_length = batch["lengths"], batch["context_length"]
     params = [p for p in model.parameters() if p.requires_grad]
     stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
     for epoch in range(args.num_ppo_epochs):
         for mb_rows in torch.randperm(len(lengths), device=lengths.device).split(sizes.local_mini_batch_size):
-            mb_tokens = all_ranks_sum(lengths[mb_rows].sum().float())  # real response tokens of the global minibatch
+            # real response tokens and responses of the global minibatch
+            mb_tokens, mb_responses = all_ranks_sum(torch.stack([lengths[mb_rows].sum(),
+                                                                 lengths.new_tensor(len(mb_rows))]).float())
             mb_approxkl, non_finite = [], torch.zeros((), device=lengths.device)
             micro_batches = mb_rows.split(sizes.micro_batch_size)
             for i, rows in enumerate(micro_batches):
                 L = lengths[rows].max().item()  # pay only for real tokens
-                mb = {k: batch[k][rows, :L] for k in ("response_mask", "logprobs", "values", "advantages", "returns")}
+                mb = {k: batch[k][rows, :L] for k in ("response_mask", "logprobs", "ref_logprobs", "values",
+                                                      "advantages", "returns")}
+                token_share = mb["response_mask"].sum() * rt.world_size / mb_tokens
+                response_share = len(rows) * rt.world_size / mb_responses
+                policy_share = token_share if args.loss_agg == "token_mean" else response_share
                 with gradient_sync(model, i == len(micro_batches) - 1):  # only after the minibatch's last
                     with rt.autocast():
                         width = context_length + L
                         new_logprobs, entropy, new_values = model(batch["query_responses"][rows, :width],
                                                                   batch["attention_mask"][rows, :width],
                                                                   context_length, args.temperature)
-                    pg_loss, pg_clipfrac, approxkl = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"],
-                                                                 mb["response_mask"], args.cliprange)
-                    vf_loss, vf_clipfrac = value_loss(new_values.float(), mb["values"], mb["returns"],
-                                                      mb["response_mask"], args.cliprange_value)
-                    loss = pg_loss + args.vf_coef * vf_loss
+                    policy_term, vf_loss, losses = ppo_loss(new_logprobs, entropy, new_values, mb, batch["kl_coef"],
+                                                            args)
+                    loss = policy_term * policy_share
+                    if vf_loss is not None:
+                        loss = loss + args.vf_coef * vf_loss * token_share
                     non_finite += ~torch.isfinite(loss)  # voted on by all ranks below: one rank alone would hang
-                    scaler.scale(loss * (mb["response_mask"].sum() * rt.world_size / mb_tokens)).backward()
-                update_stats(stats, mb, new_logprobs, entropy, args.cliprange, pg_loss, pg_clipfrac, approxkl, vf_loss,
-                             vf_clipfrac)
-                mb_approxkl.append(approxkl.detach())
+                    scaler.scale(loss).backward()
+                update_stats(stats, mb, new_logprobs, entropy, args.cliprange, losses)
+                mb_approxkl.append(losses["policy/approxkl_avg"].detach())
                 train_tokens += batch["attention_mask"][rows, :width].sum().item()
             # early stop and the non-finite vote use every rank's numbers, so that all ranks take the same path
             approxkl_sum, non_finite = all_ranks_sum(torch.stack([torch.stack(mb_approxkl).mean(), non_finite]))
@@ -533,6 +633,32 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
     optimizer.zero_grad(set_to_none=True)
     return SimpleNamespace(stats=stats, stop_reason=stop_reason, optimizer_steps=optimizer_steps,
                            train_tokens=train_tokens)
+
+
+def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
+    """One micro-batch's loss terms: the policy's, aggregated as --loss_agg: L_clip (+ β·KL with --kl_in loss,
+    − c_H·entropy with --entropy_coef), and the value loss L_V (a token mean; None without a value model).
+    -> those two, and the named statistics of this micro-batch."""
+    mask = mb["response_mask"]
+    agg = lambda x: aggregate(x, mask, args.loss_agg, args.response_length)  # noqa: E731
+    pg_tokens, clipfrac, dual_clipfrac, approxkl = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], mask,
+                                                               args.cliprange, args.cliprange_high, args.dual_clip)
+    pg_loss = agg(pg_tokens)
+    losses = {"loss/policy_avg": pg_loss, "policy/clipfrac_avg": clipfrac, "policy/approxkl_avg": approxkl}
+    policy_term = pg_loss
+    if args.dual_clip is not None:
+        losses["policy/dual_clipfrac_avg"] = dual_clipfrac
+    if args.kl_in == "loss" and kl_coef:  # through π_θ, on the tokens π_old sampled (no importance weight)
+        losses["loss/kl_avg"] = kl_loss = agg(kl_estimate(new_logprobs, mb["ref_logprobs"], args.kl_estimator))
+        policy_term = policy_term + kl_coef * kl_loss
+    if args.entropy_coef:
+        policy_term = policy_term - args.entropy_coef * agg(entropy)
+    vf_loss = None
+    if new_values is not None:
+        vf_loss, losses["val/clipfrac_avg"] = value_loss(new_values.float(), mb["values"], mb["returns"], mask,
+                                                         args.cliprange_value)
+        losses["loss/value_avg"] = vf_loss
+    return policy_term, vf_loss, losses
 
 
 @contextmanager
@@ -560,13 +686,11 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm):
 
 
 @torch.no_grad()
-def update_stats(stats, mb, new_logprobs, entropy, cliprange, pg_loss, pg_clipfrac, approxkl, vf_loss, vf_clipfrac):
+def update_stats(stats, mb, new_logprobs, entropy, cliprange, losses):
     """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`."""
     ratio, mask = (new_logprobs - mb["logprobs"]).exp(), mb["response_mask"]
-    for key, value in {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
-                       "policy/entropy_avg": masked_mean(entropy, mask),
+    for key, value in {**losses, "policy/entropy_avg": masked_mean(entropy, mask),
                        "policy/ratio_outside_clip_avg": masked_mean(((ratio - 1).abs() > cliprange).float(), mask),
-                       "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
                        "val/ratio": masked_mean(ratio, mask), "val/ratio_var": masked_var(ratio, mask)}.items():
         stats[key].append(value.detach().float())
 
@@ -590,13 +714,13 @@ def main(args: Args):
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
     log = Logger(args, output_dir, sizes, rt, len(prompts.texts), models)
-    start_update, bad_updates = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log)
+    start_update, bad_updates, kl_coef = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log)
     for update in range(start_update, sizes.num_updates):
         clock = Clock()
         # each rank takes its own slice of the update's global batch, and its own seed (ints hash to themselves,
         # so this is the same in every run): a resumed run continues exactly, with no RNG state to restore
-        rows = prompt_indices(len(prompts.ids), sizes.local_batch_size, update, args.seed, rt.rank, rt.world_size)
-        rows = rows.tolist()
+        rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed, rt.rank, rt.world_size)
+        rows = rows.repeat_interleave(args.num_generations).tolist()  # a group: k consecutive rows, one prompt
         random.seed(hash((args.seed, update, rt.rank)))
         torch.manual_seed(hash((args.seed, update, rt.rank)) % 2**63)
         model.eval()  # dropout is off anyway; transformers 4.x drops the KV cache of a checkpointed train()-mode model
@@ -614,16 +738,23 @@ def main(args: Args):
             scores = scores - args.missing_eos_penalty * (~batch["contains_eos"]).float()
         clock.lap("score")
 
-        # 3. KL and rewards: r_t = −β·KL_t on every token, plus the score on the last real one
+        # 3. KL and rewards: r_t = −β·KL_t on every token (unless the KL is a loss term), plus the score (minus its
+        # group's baseline, for the value-free estimators) on the last real one
         kl = torch.where(mask, kl_estimate(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator), 0.0)
-        rewards = per_token_rewards(scores, kl, mask, args.kl_coef)  # (B, R)
+        reward_kl_coef = kl_coef if args.kl_in == "reward" else 0.0
+        baselined = baselined_scores(scores, args.num_generations, args.advantage_estimator)
+        rewards = per_token_rewards(baselined, kl, mask, reward_kl_coef)  # (B, R)
         if args.whiten_rewards:  # unit variance, mean kept; statistics of the global batch (all ranks)
             rewards = masked_whiten(rewards, mask, *global_mean_var(rewards, mask), shift_mean=False)
 
-        # 4. advantages: GAE, then whitened with the statistics of the global batch (all ranks)
-        advantages, returns = gae(rewards, batch["values"], mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
-        batch.update(scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns)
+        # 4. advantages: GAE, then whitened with the statistics of the global batch (all ranks). Value-free: V = 0
+        # and λ = 1, so A_t = Σ_{t'≥t} γ^(t'−t)·r_t', the reward-to-go; the group baselines are not whitened
+        lam = args.lam if args.advantage_estimator == "gae" else 1.0
+        advantages, returns = gae(rewards, batch["values"], mask, args.gamma, lam)
+        if args.advantage_estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
+            advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
+        batch.update(scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
+                     kl_coef=kl_coef, reward_kl_coef=reward_kl_coef)
 
         # 5. PPO epochs: num_ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each
         model.train()
@@ -636,15 +767,18 @@ def main(args: Args):
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
         metrics, token_counts = update_metrics(batch, trained, models, args, rt)
         log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows)
+        if args.adaptive_kl_target is not None:  # from the KL of the global batch: every rank gets the same β
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.adaptive_kl_target, sizes.batch_size,
+                                       args.adaptive_kl_horizon)
         stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # a signal on any rank
         if stop or (args.save_every and (update + 1) % args.save_every == 0):
-            saved = save_checkpoint(output_dir, update + 1, bad_updates, model, optimizer, lr_scheduler, scaler,
-                                    args, rt)
+            saved = save_checkpoint(output_dir, update + 1, dict(bad_updates=bad_updates, kl_coef=kl_coef), model,
+                                    optimizer, lr_scheduler, scaler, args, rt)
             if stop:
                 log.print(f"saved {saved}; continue with the same flags plus --resume auto")
                 return log.last
     save_final(model, models, output_dir, rt)
-    log.finish(f"saved policy and value model to {output_dir}")
+    log.finish(f"saved policy{' and value model' if models.value_model is not None else ''} to {output_dir}")
     return log.last
 
 
@@ -767,9 +901,12 @@ def load_models(args, model_path, inputs, rt):
         tokenizer.eos_token_id if args.stop_token == "eos" else None)
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args)
     fit_tokenizer(policy, tokenizer)
-    ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args)
-                  if args.ref_model_path else copy.deepcopy(policy))
-    fit_tokenizer(ref_policy, tokenizer)
+    ref_policy = None  # --kl_coef 0: no KL, no reference model
+    if args.kl_coef:
+        ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args)
+                      if args.ref_model_path else copy.deepcopy(policy))
+        fit_tokenizer(ref_policy, tokenizer)
+        ref_policy.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
     reward_model = reward_tokenizer = None
     if args.reward_model_path:
         path = args.reward_model_path
@@ -781,27 +918,34 @@ def load_models(args, model_path, inputs, rt):
         elif reward_tokenizer.pad_token is None:
             reward_tokenizer.pad_token = reward_tokenizer.eos_token
         reward_model.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
-    # the value model reads the policy's token ids: start from the reward model only if it shares the vocabulary
-    value_path = args.value_model_path or (args.reward_model_path if reward_model is not None and reward_tokenizer
-                                           is None else model_path)
+    value_model, value_source = load_value_model(args, model_path, tokenizer, reward_model is not None and
+                                                 reward_tokenizer is None, rt)
+    policy.to(rt.device)
+    # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
+    # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
+    return SimpleNamespace(tokenizer=tokenizer, stop_token_id=stop_token_id, policy=policy, ref_policy=ref_policy,
+                           value_model=value_model, reward_model=reward_model, value_source=value_source,
+                           reward_tokenizer=reward_tokenizer, reward_fn=inputs.reward_fn,
+                           policy_head=None if rt.fsdp else output_layer(policy),
+                           ref_head=None if ref_policy is None or rt.fsdp and args.shard_frozen_models
+                           else output_layer(ref_policy))
+
+
+def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, rt):
+    """The value model (trained, fp32) and where it came from; none for a value-free --advantage_estimator. It reads
+    the policy's token ids: it starts from the reward model only if that shares the policy's vocabulary."""
+    if args.advantage_estimator != "gae":
+        return None, f"no value model (--advantage_estimator {args.advantage_estimator})"
+    value_path = args.value_model_path or (args.reward_model_path if reward_model_shares_vocabulary else model_path)
     value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args,
                                   new_head=True, num_labels=1)
     if not hasattr(value_model, "score"):
         fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
              "(a *ForSequenceClassification of a causal LM)")
     fit_tokenizer(value_model, tokenizer)
-    ref_policy.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
-    policy.to(rt.device)
-    value_model.to(rt.device)
-    # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
-    # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
-    return SimpleNamespace(tokenizer=tokenizer, stop_token_id=stop_token_id, policy=policy, ref_policy=ref_policy,
-                           value_model=value_model, reward_model=reward_model,
-                           value_source=f"--value_model_path {value_path}" if args.value_model_path else
-                           "the reward model" if value_path == args.reward_model_path else "the policy",
-                           reward_tokenizer=reward_tokenizer, reward_fn=inputs.reward_fn,
-                           policy_head=None if rt.fsdp else output_layer(policy),
-                           ref_head=None if rt.fsdp and args.shard_frozen_models else output_layer(ref_policy))
+    source = "value model from " + (f"--value_model_path {value_path}" if args.value_model_path else
+                                    "the reward model" if value_path == args.reward_model_path else "the policy")
+    return value_model.to(rt.device), source
 
 
 def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
@@ -1062,7 +1206,7 @@ def wrap_for_training(models, args, rt):
     """The policy and the value model as one PolicyAndValue module, with gradient checkpointing if asked. Under
     torchrun, DDP (whole models on every rank, gradients averaged by all-reduce) or FSDP2 (every rank keeps
     1/world_size of their weights, gradients and optimizer state; with --shard_frozen_models, of the frozen ones)."""
-    for model in (models.policy, models.value_model) if args.gradient_checkpointing else ():
+    for model in [m for m in (models.policy, models.value_model) if m is not None and args.gradient_checkpointing]:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24; the old name is deprecated
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
@@ -1208,6 +1352,8 @@ def save_final(model, models, output_dir, rt):
     Each is written to a .tmp folder and swapped in: a crash never leaves a half-written model."""
     weights = full_state_dict(model)
     for name, part in (("policy", models.policy), ("value_model", models.value_model)) if rt.rank == 0 else ():
+        if part is None:  # a value-free estimator has no value model
+            continue
         path = os.path.join(output_dir, name)
         shutil.rmtree(path + ".tmp", ignore_errors=True)
         part.save_pretrained(path + ".tmp", state_dict={key.split(".", 1)[1]: value for key, value in weights.items()
@@ -1225,9 +1371,10 @@ def list_checkpoints(output_dir):
                   if d.startswith("checkpoint-") and not d.endswith(".tmp"))
 
 
-def save_checkpoint(output_dir, update, bad_updates, model, optimizer, lr_scheduler, scaler, args, rt):
+def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt):
     """All the run needs to go on exactly: weights, optimizer, schedule, GradScaler, the update counter (the prompt
-    stream's position and every seed follow from it), the non-finite streak and the algorithmic flags. Rank 0 writes a
+    stream's position and every seed follow from it), `progress` (the non-finite streak and β, which the adaptive
+    KL controller changes) and the algorithmic flags. Rank 0 writes a
     .tmp folder, flushes and renames it (a checkpoint-N folder is always complete); the newest save_total_limit stay."""
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
@@ -1235,7 +1382,7 @@ def save_checkpoint(output_dir, update, bad_updates, model, optimizer, lr_schedu
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        state = dict(update=update, bad_updates=bad_updates, model=weights, optimizer=optimizer_state,
+        state = dict(update=update, **progress, model=weights, optimizer=optimizer_state,
                      lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(), world_size=rt.world_size,
                      config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS})
         torch.save(state, os.path.join(tmp, "state.pt"))
@@ -1252,7 +1399,7 @@ def save_checkpoint(output_dir, update, bad_updates, model, optimizer, lr_schedu
 
 def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
     """Restore what save_checkpoint wrote, on every rank (weights_only loading: nothing in a checkpoint runs code).
-    -> the update it was written after, and the non-finite streak then."""
+    -> the update it was written after, the non-finite streak then and β."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
@@ -1268,23 +1415,23 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
-    return state["update"], state["bad_updates"]
+    return state["update"], state["bad_updates"], state.get("kl_coef", args.kl_coef)  # none: a fixed β
 
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log):
     """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
     and drop the lines of later updates from metrics.jsonl (no duplicate, no gap). -> (first update to run, the
-    non-finite streak)."""
+    non-finite streak, β)."""
     if not args.resume:
-        return 0, 0
+        return 0, 0, args.kl_coef
     metrics_path, auto = os.path.join(output_dir, "metrics.jsonl"), args.resume == "auto"
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
     candidates = from_rank_0((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
                              if auto else [args.resume])
-    start_update, bad_updates = 0, 0
+    start_update, bad_updates, kl_coef = 0, 0, args.kl_coef
     for i, path in enumerate(candidates):
         try:
-            start_update, bad_updates = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt)
+            start_update, bad_updates, kl_coef = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt)
             log.print(f"resumed from {path} after update {start_update}")
             break
         except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
@@ -1303,7 +1450,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log):
         with open(metrics_path + ".tmp", "w") as f:
             f.writelines(kept)
         os.replace(metrics_path + ".tmp", metrics_path)
-    return start_update, bad_updates
+    return start_update, bad_updates, kl_coef
 
 
 STOP_SIGNALS = []  # (signal, time) appended by request_stop; main() checks it after every update
@@ -1337,18 +1484,23 @@ def update_metrics(batch, trained, models, args, rt):
     """One update's metrics under TRL's names: per-sequence sums averaged over the batch, training statistics over
     every micro-batch of every epoch, both averaged over all ranks. -> those, and the token counts of all ranks."""
     mask, kl, scores, returns = batch["response_mask"], batch["kl"], batch["scores"], batch["returns"]
+    beta = batch["reward_kl_coef"]  # β of the KL in the reward (0 with --kl_in loss)
     averaged = {
-        "objective/kl": kl.sum(1).mean(),
         "objective/entropy": (-batch["logprobs"]).sum(1).mean(),
-        "objective/non_score_reward": (-args.kl_coef * kl).sum(1).mean(),
-        "objective/rlhf_reward": (scores - args.kl_coef * kl.sum(1)).mean(),
+        "objective/non_score_reward": (-beta * kl).sum(1).mean(),
+        "objective/rlhf_reward": (scores - beta * kl.sum(1)).mean(),
         "objective/scores": scores.mean(),
-        "val/explained_variance": explained_variance(global_mean_var(returns - batch["values"], mask)[1],
-                                                     global_mean_var(returns, mask)[1]),  # already global
         "val/mean_response_length": batch["lengths"].float().mean(),
         **{key: torch.stack(values).mean() for key, values in trained.stats.items()},
         "policy/epochs": trained.optimizer_steps / args.num_mini_batches,
     }
+    if models.ref_policy is not None:  # --kl_coef 0 loads none
+        averaged["objective/kl"] = kl.sum(1).mean()
+    if models.value_model is not None:
+        averaged["val/explained_variance"] = explained_variance(global_mean_var(returns - batch["values"], mask)[1],
+                                                                global_mean_var(returns, mask)[1])  # already global
+    if args.num_generations > 1:  # groups whose responses all score alike: a group baseline gives them A = 0
+        averaged["objective/frac_reward_zero_std"] = (scores.view(-1, args.num_generations).std(1) == 0).float().mean()
     if trained.stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
         averaged["policy/first_ratio"] = trained.stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = trained.stats["policy/approxkl_avg"][0]
@@ -1357,7 +1509,8 @@ def update_metrics(batch, trained, models, args, rt):
     summed = {"val/num_eos_tokens": batch["contains_eos"].sum(), "rollout": mask.sum(),
               "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
     averaged, summed = reduce_over_ranks(averaged, summed, rt)
-    return {**averaged, "val/num_eos_tokens": summed.pop("val/num_eos_tokens")}, summed
+    averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
+    return averaged, summed
 
 
 class Logger:
@@ -1375,12 +1528,20 @@ class Logger:
         if rt.rank == 0:
             os.makedirs(output_dir, exist_ok=True)
         mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
-        self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} prompts ({mode}"
+        k = args.num_generations
+        what = "prompts" if k == 1 else f"responses ({sizes.batch_size // k} prompts x {k})"
+        self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
                    f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
                    f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
-                   f"device {rt.device}, {args.dtype}, output {output_dir}; value model from {models.value_source}"
-                   f"{' with a new score head' if models.value_model.new_head else ''}")
+                   f"device {rt.device}, {args.dtype}, output {output_dir}; {models.value_source}"
+                   f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}")
         self.start_time = time.time()
+        self.absent = ({"objective/kl"} if models.ref_policy is None else set()) | (
+            {"loss/value_avg", "val/explained_variance"} if models.value_model is None else set())
+
+    SHOWN = [("kl", "objective/kl", ".3f"), ("approxkl", "policy/approxkl_avg", ".4f"),
+             ("clipfrac", "policy/clipfrac_avg", ".3f"), ("vloss", "loss/value_avg", ".4f"),
+             ("ev", "val/explained_variance", ".2f"), ("len", "val/mean_response_length", ".1f")]
 
     def print(self, *lines, file=sys.stdout):
         if self.rt.rank == 0:
@@ -1410,10 +1571,9 @@ class Logger:
                 self.wandb.log(m, step=update)
         success = f"success {m['objective/success_rate']:4.0%}  " if "objective/success_rate" in m else ""
         hms = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
+        shown = [(name, key, fmt) for name, key, fmt in self.SHOWN if key not in self.absent]
         self.print(f"update {update}/{num_updates}  {success}score {m['objective/scores']:.3f}  "
-                   f"kl {m['objective/kl']:.3f}  approxkl {m.get('policy/approxkl_avg', nan):.4f}  "
-                   f"clipfrac {m.get('policy/clipfrac_avg', nan):.3f}  vloss {m.get('loss/value_avg', nan):.4f}  "
-                   f"ev {m['val/explained_variance']:.2f}  len {m['val/mean_response_length']:.1f}  | "
+                   + "".join(f"{name} {m.get(key, nan):{fmt}}  " for name, key, fmt in shown) + "| "
                    f"{m['time/update_s']:.2f}s: generate {t['generate']:.2f}  score {t['score']:.2f}  "
                    f"train {t['train']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, eta {hms(eta)}")
         if self.sample_every and ((update - 1) % self.sample_every == 0 or update == num_updates):

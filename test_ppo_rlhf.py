@@ -305,7 +305,8 @@ def test_kl_estimators():
     assert torch.allclose(P.kl_estimate(logp, ref, "k1"), logp - ref)
     k3 = P.kl_estimate(logp, ref, "k3")
     assert (k3 >= 0).all() and torch.allclose(k3, (ref - logp).exp() - 1 - (ref - logp))
-    assert P.kl_estimate(logp, logp, "k1").abs().max() == 0 and P.kl_estimate(logp, logp, "k3").abs().max() == 0
+    assert torch.allclose(P.kl_estimate(logp, ref, "k2"), 0.5 * (ref - logp) ** 2)
+    assert all(P.kl_estimate(logp, logp, k).abs().max() == 0 for k in ("k1", "k2", "k3"))
     # both are unbiased: averaged over tokens sampled from p they give KL(p‖q) of the closed form
     p_logits, q_logits = (torch.randn(6, dtype=torch.float64, generator=gen) for _ in range(2))
     log_p, log_q = p_logits.log_softmax(0), q_logits.log_softmax(0)
@@ -374,7 +375,8 @@ def test_policy_loss_at_ratio_one():
     advantages = torch.randn(4, 5, dtype=torch.float64, generator=gen)
     mask = random_mask((4, 5), 3)
     new = old.clone().requires_grad_()
-    loss, clipfrac, approxkl = P.policy_loss(new, old, advantages, mask, 0.2)
+    per_token, clipfrac, _, approxkl = P.policy_loss(new, old, advantages, mask, 0.2)
+    loss = P.aggregate(per_token, mask, "token_mean", 5)
     loss.backward()
     assert torch.allclose(loss, -advantages[mask].mean())
     assert clipfrac == 0 and approxkl == 0
@@ -387,7 +389,8 @@ def test_policy_loss_in_the_clipped_regions():
     advantages = torch.tensor([[1.0, -1.0, -1.0, 1.0, 2.0, -2.0]], dtype=torch.float64)
     mask = torch.ones_like(advantages, dtype=torch.bool)
     new = log_ratio.clone().requires_grad_()
-    loss, clipfrac, approxkl = P.policy_loss(new, torch.zeros_like(new), advantages, mask, eps)
+    per_token, clipfrac, _, approxkl = P.policy_loss(new, torch.zeros_like(new), advantages, mask, eps)
+    loss = per_token.mean()
     loss.backward()
     ratio = log_ratio.exp()
     per_token = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - eps, 1 + eps))
@@ -397,6 +400,106 @@ def test_policy_loss_in_the_clipped_regions():
     assert torch.allclose(new.grad[0, 2:], (-advantages * ratio)[0, 2:] / 6)
     assert torch.isclose(clipfrac, torch.tensor(2 / 6, dtype=torch.float64))
     assert torch.allclose(approxkl, ((ratio - 1) - log_ratio).mean()) and approxkl > 0
+
+
+def test_clip_higher_and_dual_clip():
+    """ε_high only moves the upper clip; the dual clip caps a token's loss at c·|A| where A < 0, and nowhere else."""
+    ratio = torch.tensor([[1.25, 1.25, 0.7, 2.5, 5.0, 5.0]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0, -1.0, -1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones_like(advantages, dtype=torch.bool)
+    new = ratio.log().requires_grad_()
+    per_token, clipfrac, dual_clipfrac, _ = P.policy_loss(new, torch.zeros_like(new), advantages, mask, 0.2,
+                                                          cliprange_high=0.28, dual_clip=3.0)
+    # ρ 1.25 < 1.28 is inside the clip for A > 0 (ε_high); A < 0, ρ 2.5 and 5: −ρ·A = 2.5 and 5, capped at c·|A| = 3
+    assert per_token[0].tolist() == pytest.approx([-1.25, 1.25, 0.8, 2.5, 3.0, -1.28])
+    assert clipfrac == pytest.approx(2 / 6) and dual_clipfrac == pytest.approx(1 / 6)
+    per_token.sum().backward()
+    assert new.grad[0, 4] == 0 and new.grad[0, 3] != 0  # the capped token has no gradient
+    symmetric = P.policy_loss(new, torch.zeros_like(new), advantages, mask, 0.2)[0]
+    assert symmetric[0, [0, 4]].tolist() == pytest.approx([-1.2, 5.0])  # without them: clipped at 1 + ε, uncapped
+
+
+def test_loss_aggregation_on_ragged_lengths():
+    x = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [5.0, 6.0, 7.0, 8.0]], dtype=torch.float64)
+    mask = torch.arange(4) < torch.tensor([3, 1, 4])[:, None]
+    assert P.aggregate(x, mask, "token_mean", 6) == pytest.approx((1 + 2 + 3 + 4 + 5 + 6 + 7 + 8) / 8)
+    assert P.aggregate(x, mask, "seq_mean_token_mean", 6) == pytest.approx((6 / 3 + 4 / 1 + 26 / 4) / 3)
+    assert P.aggregate(x, mask, "seq_mean_token_sum_norm", 6) == pytest.approx(36 / (3 * 6))  # response_length 6
+
+
+def test_group_baselines_closed_forms():
+    scores = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0], dtype=torch.float64)  # 2 groups of k = 4
+    g = scores.view(2, 4)
+    rloo = P.baselined_scores(scores, 4, "rloo")
+    assert rloo.tolist() == pytest.approx([1 - 11 / 3, 2 - 10 / 3, 3 - 9 / 3, 6 - 6 / 3, 0, 0, 0, 0])
+    std = math.sqrt(sum((v - 3) ** 2 for v in (1, 2, 3, 6)) / 3)  # unbiased
+    assert P.baselined_scores(scores, 4, "grpo").tolist() == pytest.approx(
+        [(v - 3) / (std + 1e-4) for v in (1, 2, 3, 6)] + [0] * 4)
+    for estimator in ("dr_grpo", "reinforce_pp_baseline"):
+        assert P.baselined_scores(scores, 4, estimator).tolist() == [-2, -1, 0, 3, 0, 0, 0, 0]
+    for estimator in ("gae", "reinforce_pp"):
+        assert torch.equal(P.baselined_scores(scores, 4, estimator), scores)
+    assert torch.allclose(rloo * 3 / 4, g.sub(g.mean(1, keepdim=True)).flatten())  # RLOO = k/(k−1) x mean-centred
+
+
+def test_kl_in_the_loss_has_the_expected_gradient_of_each_estimator():
+    """On a categorical π_θ (6 actions), E_{a~π_θ}[∇_θ k(log π_θ(a) − log π_ref(a))], taken exactly over the actions:
+    k1 gives 0, k2 ∇KL(π_θ‖π_ref), k3 ∇KL(π_ref‖π_θ) (the docstring of --kl_estimator)."""
+    gen = torch.Generator().manual_seed(4)
+    theta, log_ref = torch.randn(6, dtype=torch.float64, generator=gen), torch.randn(6, dtype=torch.float64,
+                                                                                     generator=gen).log_softmax(0)
+
+    def gradient(f):
+        t = theta.clone().requires_grad_()
+        f(t.log_softmax(0)).backward()
+        return t.grad
+
+    def expected_estimate(estimator):  # the sample weights π_θ(a) are the sampler's: no gradient through them
+        return lambda log_pi: (log_pi.exp().detach() * P.kl_estimate(log_pi, log_ref, estimator)).sum()
+
+    forward_kl = gradient(lambda log_pi: (log_pi.exp() * (log_pi - log_ref)).sum())
+    reverse_kl = gradient(lambda log_pi: (log_ref.exp() * (log_ref - log_pi)).sum())
+    assert gradient(expected_estimate("k1")).abs().max() < 1e-12
+    assert torch.allclose(gradient(expected_estimate("k2")), forward_kl)
+    assert torch.allclose(gradient(expected_estimate("k3")), reverse_kl)
+    assert not torch.allclose(forward_kl, reverse_kl)
+
+
+def test_adaptive_kl_coefficient():
+    # Ziegler et al. 2019: the error is clipped to ±0.2, scaled by batch / horizon
+    assert P.adaptive_kl_coef(0.1, 6.0, 5.0, 64, 1000) == pytest.approx(0.1 * (1 + 0.2 * 64 / 1000))
+    assert P.adaptive_kl_coef(0.1, 100.0, 5.0, 64, 1000) == pytest.approx(0.1 * (1 + 0.2 * 64 / 1000))
+    assert P.adaptive_kl_coef(0.1, 4.5, 5.0, 64, 1000) == pytest.approx(0.1 * (1 - 0.1 * 64 / 1000))
+    assert P.adaptive_kl_coef(0.1, 5.0, 5.0, 64, 1000) == 0.1
+
+
+def test_ppo_loss_adds_the_kl_and_entropy_terms_with_their_gradients():
+    """The policy term is L_clip + β·KL − c_H·H, each aggregated as --loss_agg, and its gradient with respect to
+    log π_θ and the entropy is that of the formula."""
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.arange(5) < torch.tensor([5, 2, 3])[:, None]
+    mb = {"response_mask": mask, **{k: torch.randn(3, 5, dtype=torch.float64, generator=gen)
+                                    for k in ("logprobs", "ref_logprobs", "advantages")}}
+    logprobs = (mb["logprobs"] + 0.01 * torch.randn(3, 5, dtype=torch.float64, generator=gen)).requires_grad_()
+    entropy = torch.rand(3, 5, dtype=torch.float64, generator=gen).requires_grad_()
+    for loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        args = P.Args(kl_in="loss", kl_estimator="k3", entropy_coef=0.3, loss_agg=loss_agg, response_length=5)
+        term, vf_loss, losses = P.ppo_loss(logprobs, entropy, None, mb, 0.2, args)
+        agg = lambda x: P.aggregate(x, mask, loss_agg, 5)  # noqa: E731
+        pg = agg(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], mask, 0.2)[0])
+        kl = agg(P.kl_estimate(logprobs, mb["ref_logprobs"], "k3"))
+        assert vf_loss is None and torch.allclose(term, pg + 0.2 * kl - 0.3 * agg(entropy))
+        assert torch.allclose(losses["loss/kl_avg"], kl) and torch.allclose(losses["loss/policy_avg"], pg)
+        d_logprobs, d_entropy = torch.autograd.grad(term, (logprobs, entropy))
+        weights = torch.autograd.grad(agg(entropy), entropy)[0]  # ∂ agg / ∂ x per token
+        assert torch.allclose(d_entropy, -0.3 * weights)
+        log_ratio = mb["ref_logprobs"] - logprobs.detach()
+        ratio = (logprobs.detach() - mb["logprobs"]).exp()
+        d_pg = torch.where((ratio - 1).abs() < 0.2, -mb["advantages"] * ratio, 0.0)  # the clip is not active here
+        assert torch.allclose(d_logprobs, weights * (d_pg + 0.2 * (1 - log_ratio.exp())))
+    off = P.ppo_loss(logprobs, entropy, None, mb, 0.2, P.Args())[0]  # KL in the reward, no entropy bonus
+    assert torch.allclose(off, P.aggregate(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], mask, 0.2)[0],
+                                           mask, "token_mean", 5))
 
 
 def test_value_loss_values_and_gradients():
@@ -463,7 +566,9 @@ def test_everything_after_the_stop_token_is_masked_out():
         rewards = P.per_token_rewards(torch.tensor([1.0, -1.0, 0.5]), kl, mask, 0.1)
         advantages, returns = P.gae(rewards, values, mask, 1.0, 0.95)
         advantages = P.masked_whiten(advantages, mask, *P.global_mean_var(advantages, mask))
-        pg = P.policy_loss(new_logp, logp, advantages, mask, 0.2)
+        per_token, *pg = P.policy_loss(new_logp, logp, advantages, mask, 0.2, 0.3, 1.5)
+        pg += [P.aggregate(per_token, mask, agg, 6) for agg in ("token_mean", "seq_mean_token_mean",
+                                                                  "seq_mean_token_sum_norm")]
         vf = P.value_loss(new_values, values, returns, mask, 0.2)
         return torch.stack([*pg, *vf]), rewards, advantages, returns
 
@@ -769,6 +874,68 @@ def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypat
     assert max(abs(k) for _, k in kls) > 1e-3  # by the last update the policy has moved away from the reference
 
 
+FAMILY = {  # estimator, k, where the KL goes, β, adaptive KL target
+    "rloo, KL in the reward": ("rloo", 4, "reward", 0.1, None),
+    "grpo, KL in the loss, adaptive": ("grpo", 2, "loss", 0.1, 0.01),
+    "dr_grpo, no KL": ("dr_grpo", 4, "reward", 0.0, None),
+    "reinforce_pp": ("reinforce_pp", 1, "reward", 0.1, None),
+    "reinforce_pp_baseline": ("reinforce_pp_baseline", 2, "reward", 0.1, None),
+}
+
+
+@pytest.mark.parametrize("case", list(FAMILY))
+def test_the_value_free_estimators_wire_their_advantages(tiny, tmp_path, monkeypatch, case):
+    """What main() hands the PPO update under each value-free estimator, against a naive per-sample loop: groups of
+    k rows share a prompt; s'_i = s_i − the group's baseline; r_t = −β·KL_t (KL in the reward) + s'_i on the last
+    token; A_t = Σ_{t'≥t} γ^(t'−t)·r_t', whitened over the batch for reinforce_pp*. No value model is loaded, trained
+    or saved; β 0 loads no reference; the adaptive controller moves β by its formula."""
+    estimator, k, kl_in, kl_coef, target = FAMILY[case]
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:count_w1", total_episodes=24,
+                    stop_token_id=5, gamma=0.9, num_generations=k, advantage_estimator=estimator, kl_in=kl_in,
+                    kl_coef=kl_coef, adaptive_kl_target=target, adaptive_kl_horizon=100)
+    P.main(args)
+    metrics = read_metrics(args.output_dir)
+    assert len(calls) == len(metrics) == 3 and not os.path.exists(os.path.join(args.output_dir, "value_model"))
+    assert ("objective/kl" in metrics[0]) == (kl_coef > 0) and "val/explained_variance" not in metrics[0]
+    assert ("loss/kl_avg" in metrics[0]) == (kl_in == "loss") and "loss/value_avg" not in metrics[0]
+    for (batch, _, values, model), m in zip(calls, metrics):
+        assert values is None and not any(n.startswith("value_model") for n, _ in model.named_parameters())
+        assert m["objective/kl_coef"] == pytest.approx(kl_coef if target is None else batch["kl_coef"])
+        mask, lengths = batch["response_mask"], batch["lengths"].tolist()
+        queries = batch["query_responses"][:, : batch["context_length"]]
+        assert all(torch.equal(queries[i], queries[i - i % k]) for i in range(len(queries)))  # k rows, one prompt
+        if k > 1:
+            groups = batch["scores"].view(-1, k).tolist()
+            assert m["objective/frac_reward_zero_std"] == pytest.approx(
+                sum(len(set(g)) == 1 for g in groups) / len(groups))
+        scores, baselined = batch["scores"].tolist(), []
+        for i, s in enumerate(scores):
+            group = scores[i - i % k : i - i % k + k]
+            mean, others = sum(group) / k, (sum(group) - s) / max(k - 1, 1)
+            std = (sum((g - mean) ** 2 for g in group) / max(k - 1, 1)) ** 0.5
+            baselined.append({"rloo": s - others, "grpo": (s - mean) / (std + 1e-4), "dr_grpo": s - mean,
+                              "reinforce_pp": s, "reinforce_pp_baseline": s - mean}[estimator])
+        advantages = torch.zeros(mask.shape, dtype=torch.float64)
+        for b, n in enumerate(lengths):
+            to_go = 0.0
+            for t in reversed(range(n)):
+                kl = batch["logprobs"][b, t].item() - batch["ref_logprobs"][b, t].item()  # k1
+                reward = -batch["kl_coef"] * kl * (kl_in == "reward") + (baselined[b] if t == n - 1 else 0.0)
+                advantages[b, t] = to_go = reward + 0.9 * to_go
+        if estimator.startswith("reinforce_pp"):
+            real = advantages[mask]
+            advantages[mask] = (real - real.mean()) / (real.var() + 1e-8).sqrt()
+        assert torch.allclose(batch["advantages"].double(), advantages, atol=1e-5)
+        if kl_coef == 0:  # no reference: every KL estimate is 0
+            assert (batch["kl"] == 0).all()
+    if target is not None:  # β ← β·(1 + clip(KL/target − 1, ±0.2)·batch/horizon), from the logged KL
+        for before, after in zip(metrics, metrics[1:]):
+            assert after["objective/kl_coef"] == pytest.approx(
+                P.adaptive_kl_coef(before["objective/kl_coef"], before["objective/kl"], target, 8, 100))
+        assert metrics[-1]["objective/kl_coef"] != kl_coef
+
+
 def test_builtin_task_learns(tmp_path):
     args = P.Args(output_dir=str(tmp_path / "builtin"), total_episodes=128 * 150, num_sample_generations=0)
     P.main(args)
@@ -797,7 +964,9 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "temperature": 0.0, "cliprange": -0.1, "cliprange_value": 0.0, "max_grad_norm": float("inf"),
                 "dist_timeout_s": 0, "learning_rate": -1.0, "kl_coef": float("nan"), "vf_coef": -0.1, "save_every": -1,
                 "save_total_limit": -1, "num_sample_generations": -1, "gamma": 1.5, "lam": -0.01, "target_kl": 0.0,
-                "stop_token_id": -1, "missing_eos_penalty": float("nan")}
+                "stop_token_id": -1, "missing_eos_penalty": float("nan"), "num_generations": 0,
+                "adaptive_kl_horizon": 0, "adaptive_kl_target": 0.0, "cliprange_high": -0.1, "dual_clip": 1.0,
+                "entropy_coef": float("inf")}
 
 
 def file_case(case, tiny, tmp_path):
@@ -840,6 +1009,12 @@ def file_case(case, tiny, tmp_path):
                                              num_mini_batches=4), "--gradient_accumulation_steps"),
         "fp16 with fsdp": (dict(dtype="fp16", distributed="fsdp"), "--dtype"),
         "tracking without wandb": (dict(track=True), "--track"),
+        "groups do not divide the batch": (dict(num_generations=3), "--num_generations"),
+        "a group baseline with one response per prompt": (dict(advantage_estimator="rloo"), "--num_generations"),
+        "a value model without GAE": (dict(value_model_path=tiny["gpt2_rm"], advantage_estimator="reinforce_pp"),
+                                      "--value_model_path"),
+        "a reference model without KL": (dict(ref_model_path=tiny["gpt2"], kl_coef=0.0), "--ref_model_path"),
+        "an adaptive KL of zero": (dict(adaptive_kl_target=1.0, kl_coef=0.0), "--kl_coef"),
     }[case]
 
 
@@ -848,7 +1023,9 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "bad jsonl", "empty prompts", "chat prompts, no chat template", "a prompt too long",
               "own prompts, no reward", "reward_fn without a colon", "missing reward module", "missing reward function",
               "output_dir is a file", "a run is in output_dir", "missing checkpoint", "minibatches do not divide",
-              "micro-batches do not divide", "fp16 with fsdp", "tracking without wandb"]
+              "micro-batches do not divide", "fp16 with fsdp", "tracking without wandb",
+              "groups do not divide the batch", "a group baseline with one response per prompt",
+              "a value model without GAE", "a reference model without KL", "an adaptive KL of zero"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
@@ -969,21 +1146,32 @@ def cli_run(tiny, output_dir, *extra):
 
 def final_weights(output_dir):
     from safetensors.torch import load_file
-    return {name: load_file(os.path.join(output_dir, name, "model.safetensors")) for name in ("policy", "value_model")}
+    return {name: load_file(os.path.join(output_dir, name, "model.safetensors")) for name in ("policy", "value_model")
+            if os.path.exists(os.path.join(output_dir, name))}
 
 
 @pytest.fixture(scope="module")
 def straight(tiny, tmp_path_factory):
-    """The output folder of cli_run() left to finish: what a stopped and resumed run must reproduce."""
-    output_dir = str(tmp_path_factory.mktemp("straight") / "run")
-    assert cli_run(tiny, output_dir).wait(timeout=300) == 0
-    return output_dir
+    """flags -> the output folder of cli_run(flags) left to finish: what a stopped and resumed run must reproduce
+    (made once per set of flags)."""
+    runs = {}
+
+    def run(*flags):
+        if flags not in runs:
+            runs[flags] = str(tmp_path_factory.mktemp("straight") / "run")
+            assert cli_run(tiny, runs[flags], *flags).wait(timeout=300) == 0
+        return runs[flags]
+    return run
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig, straight):
+VALUE_FREE = ("--advantage_estimator", "grpo", "--num_generations", "2", "--kl_in", "loss", "--adaptive_kl_target",
+              "0.5", "--adaptive_kl_horizon", "50")  # no value model; β changes every update, and is checkpointed
+
+
+@pytest.mark.parametrize("sig,flags", [(signal.SIGKILL, ()), (signal.SIGTERM, ()), (signal.SIGKILL, VALUE_FREE)])
+def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig, flags, straight):
     killed = str(tmp_path / "killed")
-    process = cli_run(tiny, killed)
+    process = cli_run(tiny, killed, *flags)
     deadline = time.time() + 300
     while not os.path.exists(os.path.join(killed, "checkpoint-000002")) and time.time() < deadline:
         time.sleep(0.01)
@@ -995,13 +1183,15 @@ def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig, straight):
         assert process.returncode == -signal.SIGKILL
     interrupted_at = len(read_metrics(killed))
     assert 2 <= interrupted_at < 12 and not os.path.exists(os.path.join(killed, "policy"))
-    resumed = cli_run(tiny, killed, "--resume", "auto")
+    resumed = cli_run(tiny, killed, *flags, "--resume", "auto")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0 and "resumed from" in out, err
-    a, b = read_metrics(straight), read_metrics(killed)
+    a, b = read_metrics(straight(*flags)), read_metrics(killed)
+    assert len({m["objective/kl_coef"] for m in a}) == (12 if flags else 1)
     assert [m["update"] for m in b] == list(range(1, 13))  # one line per update: no duplicate, no gap
     assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b]
-    wa, wb = final_weights(straight), final_weights(killed)
+    wa, wb = final_weights(straight(*flags)), final_weights(killed)
+    assert list(wa) == (["policy"] if flags else ["policy", "value_model"])
     for name in wa:
         assert wa[name].keys() == wb[name].keys() and all(torch.equal(wa[name][k], wb[name][k]) for k in wa[name])
 
@@ -1203,10 +1393,10 @@ def fixed_rollout(tiny, tmp_path, batch_size):
         P.main(run_args(tiny, tmp_path, total_episodes=batch_size, per_device_train_batch_size=batch_size,
                         stop_token_id=5, seed=3))
     return {k: v for k, v in calls[0][0].items() if k in ("query_responses", "attention_mask", "context_length",
-            "response_mask", "lengths", "logprobs", "values", "advantages", "returns")}
+            "response_mask", "lengths", "logprobs", "ref_logprobs", "values", "advantages", "returns", "kl_coef")}
 
 
-def one_update(tiny, batch, mode, gradient_accumulation_steps):
+def one_update(tiny, batch, mode, gradient_accumulation_steps, **flags):
     """One PPO update (2 epochs, 1 minibatch: 2 optimizer steps) on `batch`; -> the full weights afterwards."""
     policy, value_model = loaded(tiny, "gpt2"), loaded_value(tiny)
     if mode == "fsdp":
@@ -1216,7 +1406,7 @@ def one_update(tiny, batch, mode, gradient_accumulation_steps):
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
     args = P.Args(num_ppo_epochs=2, num_mini_batches=1, per_device_train_batch_size=len(batch["lengths"]),
-                  gradient_accumulation_steps=gradient_accumulation_steps)
+                  gradient_accumulation_steps=gradient_accumulation_steps, response_length=6, **flags)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rt = P.Runtime(world_size=world_size, torchrun=world_size > 1, fsdp=mode == "fsdp")
     torch.manual_seed(0)
@@ -1226,26 +1416,29 @@ def one_update(tiny, batch, mode, gradient_accumulation_steps):
     return P.full_state_dict(model)
 
 
-def update_worker(rank, port, tiny, batch_file, mode, out_file):
+def update_worker(rank, port, tiny, batch_file, mode, flags, out_file):
     init_gloo(rank, port)
     P.logprobs_chunk_rows = lambda vocab_size: 4  # log-probs from the hidden states in chunks (not under FSDP)
     batch = torch.load(batch_file)
-    half = {k: v if k == "context_length" else v[rank * 4 : rank * 4 + 4] for k, v in batch.items()}
-    weights = one_update(tiny, half, mode, gradient_accumulation_steps=2)  # 2 micro-batches of 2 per rank
+    half = {k: v[rank * 4 : rank * 4 + 4] if torch.is_tensor(v) else v for k, v in batch.items()}
+    weights = one_update(tiny, half, mode, 2, **flags)  # 2 micro-batches of 2 per rank
     if rank == 0:
         torch.save(weights, out_file)
     P.leave_process_group()  # once the models that hold the group are freed
 
 
 @needs_gloo
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_ranks_with_half_the_batch_make_the_same_update_as_one_rank(tiny, tmp_path, mode):
+@pytest.mark.parametrize("mode,flags", [("ddp", {}), ("fsdp", {}), ("ddp", dict(loss_agg="seq_mean_token_mean")),
+                                        ("ddp", dict(loss_agg="seq_mean_token_sum_norm", kl_in="loss",
+                                                     entropy_coef=0.1))])
+def test_two_ranks_with_half_the_batch_make_the_same_update_as_one_rank(tiny, tmp_path, mode, flags):
+    """Every --loss_agg weighs micro-batches and ranks so that they make the one-process update."""
     batch = fixed_rollout(tiny, tmp_path, 8)
     assert batch["lengths"][:4].sum() != batch["lengths"][4:].sum()  # unequal token counts: the loss weighting matters
     torch.save(batch, tmp_path / "batch.pt")
-    spawn_2(update_worker, tiny, str(tmp_path / "batch.pt"), mode, str(tmp_path / "weights.pt"))
+    spawn_2(update_worker, tiny, str(tmp_path / "batch.pt"), mode, flags, str(tmp_path / "weights.pt"))
     two_ranks = torch.load(tmp_path / "weights.pt")
-    one_rank = one_update(tiny, batch, "none", gradient_accumulation_steps=1)  # the full logits, 1 micro-batch of 8
+    one_rank = one_update(tiny, batch, "none", 1, **flags)  # the full logits, 1 micro-batch of 8
     initial = P.full_state_dict(P.PolicyAndValue(loaded(tiny, "gpt2"), loaded_value(tiny)))
     assert two_ranks.keys() == one_rank.keys()
     assert sum(not torch.equal(one_rank[k], initial[k]) for k in one_rank) > len(one_rank) // 2  # it did train
@@ -1339,7 +1532,7 @@ def test_fsdp_ranks_that_stop_at_different_lengths_do_not_hang(tiny, tmp_path, u
         assert (tokens[:, n:] == 0).all()  # a rank kept in step by the others only adds padding
 
 
-def main_worker(rank, port, tiny, output_dir, out_file):
+def main_worker(rank, port, tiny, output_dir, flags, out_file):
     """One rank of a 2-rank run of main() with the real wiring, recording what it hands to the PPO update."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")  # as torchrun sets them
     init_gloo(rank, port)
@@ -1347,8 +1540,7 @@ def main_worker(rank, port, tiny, output_dir, out_file):
         calls = spy_on_updates(monkeypatch)
         P.main(P.Args(model_name_or_path=tiny["gpt2"], reward_fn=f"{__file__}:num_words", dataset=tiny["prompts"],
                       output_dir=output_dir, total_episodes=16, per_device_train_batch_size=4, num_mini_batches=1,
-                      num_ppo_epochs=1, response_length=6, stop_token_id=5, whiten_rewards=True,
-                      num_sample_generations=0))
+                      num_ppo_epochs=1, response_length=6, stop_token_id=5, num_sample_generations=0, **flags))
     torch.save([batch for batch, *_ in calls], f"{out_file}.{rank}")
     del calls  # it holds the DDP model
     P.leave_process_group()  # once the models that hold the group are freed
@@ -1356,7 +1548,7 @@ def main_worker(rank, port, tiny, output_dir, out_file):
 
 @needs_gloo
 def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_batch(tiny, tmp_path):
-    spawn_2(main_worker, tiny, str(tmp_path / "run"), str(tmp_path / "out"))
+    spawn_2(main_worker, tiny, str(tmp_path / "run"), dict(whiten_rewards=True), str(tmp_path / "out"))
     ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
     metrics = read_metrics(tmp_path / "run")
     assert [len(r) for r in ranks] == [2, 2] and len(metrics) == 2
@@ -1373,3 +1565,24 @@ def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_bat
             assert abs(both.var() - 1) < 1e-4 and (not shifted or abs(both.mean()) < 1e-5), key
             alone = a[key][a["response_mask"]].double()  # the test has teeth: one rank's own statistics differ
             assert abs(alone.var() - 1) > 1e-3 or abs(alone.mean() - both.mean()) > 1e-3
+
+
+@needs_gloo
+def test_two_ranks_of_main_keep_each_group_on_one_rank(tiny, tmp_path):
+    """--num_generations 2 over 2 ranks: each rank samples its own prompts twice, in consecutive rows; the GRPO
+    advantages (KL in the loss, γ = 1: A_t = the baselined score on every token) are those of the concatenated batch,
+    with no whitening over ranks."""
+    spawn_2(main_worker, tiny, str(tmp_path / "run"), dict(num_generations=2, advantage_estimator="grpo",
+                                                           kl_in="loss"), str(tmp_path / "out"))
+    ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    for a, b in zip(*ranks):
+        queries = [r["query_responses"][:, : r["context_length"]] for r in (a, b)]
+        for q in queries:
+            assert torch.equal(q[0::2], q[1::2])  # rows 2i and 2i + 1: one prompt
+        assert queries[0].shape != queries[1].shape or not torch.equal(*queries)  # each rank its own prompts
+        scores = torch.cat([a["scores"], b["scores"]])
+        expected = P.baselined_scores(scores, 2, "grpo")
+        mask = torch.cat([F.pad(r["response_mask"], (0, 6 - r["response_mask"].shape[1])) for r in (a, b)])
+        advantages = torch.cat([F.pad(r["advantages"], (0, 6 - r["advantages"].shape[1])) for r in (a, b)])
+        assert torch.allclose(advantages, torch.where(mask, expected[:, None], 0.0), atol=1e-6)
+        assert scores.std() > 0 and expected.abs().max() > 0.5  # not all equal: the test has teeth
