@@ -1529,7 +1529,7 @@ class Logger:
             os.makedirs(output_dir, exist_ok=True)
         mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
         k = args.num_generations
-        what = "prompts" if k == 1 else f"responses ({sizes.batch_size // k} prompts x {k})"
+        what = "prompts" if k == 1 else f"responses to {sizes.batch_size // k} prompts x {k}"
         self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
                    f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
                    f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
