@@ -48,6 +48,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -184,6 +185,19 @@ class Args:
     max_grad_norm: float = 1.0
     """clip the global gradient norm of policy + value parameters"""
 
+    # --- LoRA (needs `pip install peft`)
+    lora_r: int = 0
+    """LoRA rank r (0: off, every weight trains): the policy and the value model train adapters, W + (α/r)·B·A with
+    B = 0 at the start (Hu et al. 2021), the value model also its whole score head; the reference policy is the policy
+    with its adapter off, so no copy of it is loaded. Dropout stays 0, as everywhere here (see load_pretrained)"""
+    lora_alpha: float = 16.0
+    """α: the adapter's update is scaled by α/r"""
+    lora_target_modules: Optional[list[str]] = None
+    """names of the layers that get adapters; default: every linear layer of the attention and MLP blocks (peft's
+    `all-linear`: the output layer is left out)"""
+    merge_lora: bool = False
+    """with --lora_r: also write policy_merged/, the base weights with the adapter merged in (plain from_pretrained)"""
+
     # --- system
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """bf16/fp16: autocast forwards and backwards, fp32 master weights and optimizer; frozen models in that dtype"""
@@ -206,7 +220,7 @@ class Args:
 # another value is refused (a field the checkpoint predates counts as having had its default).
 RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
                    "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
-                   "dist_timeout_s"}
+                   "dist_timeout_s", "merge_lora"}
 
 
 # What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
@@ -215,9 +229,9 @@ FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradi
                                           "local_rollout_forward_batch_size", "total_episodes", "num_generations",
                                           "adaptive_kl_horizon"]),
                "> 0": (lambda v: v > 0, ["temperature", "cliprange", "cliprange_value", "max_grad_norm",
-                                        "dist_timeout_s"]),
+                                        "dist_timeout_s", "lora_alpha"]),
                ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
-                                          "num_sample_generations"]),
+                                          "num_sample_generations", "lora_r"]),
                "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
                "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high"]),
                "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
@@ -254,6 +268,10 @@ def check_args(args):
         fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has no value model")
     if args.ref_model_path and args.kl_coef == 0:
         fail("--ref_model_path is unused: --kl_coef 0 has no KL term")
+    if args.ref_model_path and args.lora_r:
+        fail("--ref_model_path is unused with --lora_r: the reference is the policy with its adapter off")
+    if (args.merge_lora or args.lora_target_modules) and not args.lora_r:
+        fail("--merge_lora and --lora_target_modules need --lora_r > 0")
     if args.adaptive_kl_target is not None and args.kl_coef == 0:
         fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
     local_mini_batch_size = local_batch_size // args.num_mini_batches
@@ -411,10 +429,16 @@ def forward_kwargs(input_ids, attention_mask):
     return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
 
 
+def backbone(model):
+    """The decoder stack of a causal LM or sequence classifier. Under a peft model, that of its base model (the
+    adapters sit inside it): getattr(peft_model, base_model_prefix) can be the whole causal LM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix)
+
+
 def last_hidden(model, input_ids, attention_mask, keep):
     """The backbone's last hidden states (B, keep, H) at the last `keep` positions of a padded batch (B, S)."""
-    backbone = getattr(model, model.base_model_prefix)
-    return backbone(**forward_kwargs(input_ids, attention_mask)).last_hidden_state[:, -keep:]
+    return backbone(model)(**forward_kwargs(input_ids, attention_mask)).last_hidden_state[:, -keep:]
 
 
 def forward(model, input_ids, attention_mask, keep):
@@ -475,7 +499,8 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
     """Sample y_t ~ softmax(z_t / T) with a KV cache: exactly the policy we train (no top-k/top-p). -> responses and
     log π_old(y_t|s_t), (B, L ≤ max_new_tokens), pad ids and 0 after a row's stop token. sync_ranks: a sharded
     policy's forward is a collective, so every rank steps until all are done. Call under no_grad or inference_mode."""
-    cache_kw = "cache" if "cache" in inspect.signature(policy.forward).parameters else "past_key_values"
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # a peft model passes kwargs on
+    cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
     cache = DynamicCache(config=policy.config)
     ids, mask = queries, query_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -530,9 +555,10 @@ def score(models, batch, prompts, rows, args, rt):
             rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # cut to the longest real response
             width = context_length + L
             ids, ids_mask = batch["query_responses"][rows_i, :width], batch["attention_mask"][rows_i, :width]
-            if models.ref_policy is not None:
-                ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
-                                                             args.temperature, models.ref_head)[0]
+            if models.ref_policy is not None:  # with LoRA: the policy's own weights, its adapter switched off
+                with models.ref_policy.disable_adapter() if args.lora_r else nullcontext():
+                    ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
+                                                                 args.temperature, models.ref_head)[0]
             if models.value_model is not None:
                 values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, context_length)
             if rt.low_dtype:
@@ -777,7 +803,7 @@ def main(args: Args):
             if stop:
                 log.print(f"saved {saved}; continue with the same flags plus --resume auto")
                 return log.last
-    save_final(model, models, output_dir, rt)
+    save_final(model, models, args, output_dir, rt)
     log.finish(f"saved policy{' and value model' if models.value_model is not None else ''} to {output_dir}")
     return log.last
 
@@ -808,6 +834,10 @@ def load_pretrained(cls, path, flag, args, new_head=False, **kwargs):
     """A model with dropout off (it would make the training forward disagree with the rollout's π_old). Weights the
     checkpoint lacks (or has in excess) get one warning line instead of transformers' load report; new_head: a new
     `score` head is expected (a value model started from a causal LM), and model.new_head says if it was made."""
+    if adapter_base(path):  # an adapter checkpoint (peft): its base model with the adapter merged in
+        model = load_pretrained(cls, adapter_base(path), flag, args, new_head, **kwargs)
+        peft = import_peft(f"--{flag} {path!r} (an adapter)")
+        return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
     config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
@@ -834,6 +864,15 @@ def load_pretrained(cls, path, flag, args, new_head=False, **kwargs):
     return model
 
 
+def adapter_base(path):
+    """The base model that an adapter checkpoint folder names in its adapter_config.json; None for a model."""
+    config = os.path.join(os.path.expanduser(path), "adapter_config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        return json.load(f)["base_model_name_or_path"]
+
+
 def ensure_pad_token(tokenizer):
     """Give a tokenizer without a pad token, or whose pad token is EOS, a distinct one: EOS is an action the policy
     takes and must never be mistaken for padding."""
@@ -843,10 +882,13 @@ def ensure_pad_token(tokenizer):
 
 
 def fit_tokenizer(model, tokenizer):
-    """Make room for an added pad token and record it in the config (HF's own pooling reads config.pad_token_id)."""
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+    """Make room for an added pad token and record it in the config (HF's own pooling reads config.pad_token_id).
+    -> whether the embeddings grew."""
+    resized = len(tokenizer) > model.get_input_embeddings().num_embeddings
+    if resized:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
+    return resized
 
 
 def check_inputs(args, model_path, dataset, output_dir):
@@ -871,10 +913,15 @@ def check_inputs(args, model_path, dataset, output_dir):
             import wandb  # noqa: F401
         except ImportError:
             fail("--track needs `pip install wandb`")
-    config = from_pretrained(AutoConfig, model_path, "model_name_or_path", args)
-    for flag in ("ref_model_path", "value_model_path"):
-        if getattr(args, flag):
-            from_pretrained(AutoConfig, getattr(args, flag), flag, args)
+    if args.lora_r:
+        import_peft("--lora_r")
+    configs = {}
+    for flag, path in (("model_name_or_path", model_path), ("ref_model_path", args.ref_model_path),
+                       ("value_model_path", args.value_model_path)):
+        if path and adapter_base(path):  # an adapter checkpoint: peft, and its base's config
+            import_peft(f"--{flag} {path!r} (an adapter)")
+        if path:
+            configs[flag] = from_pretrained(AutoConfig, adapter_base(path) or path, flag, args)
     if args.reward_model_path:
         reward_config = from_pretrained(AutoConfig, args.reward_model_path, "reward_model_path", args)
         kind = (reward_config.architectures or [type(reward_config).__name__])[0]
@@ -884,8 +931,11 @@ def check_inputs(args, model_path, dataset, output_dir):
         if reward_config.num_labels != 1:
             fail(f"--reward_model_path {args.reward_model_path!r} is a {kind} with {reward_config.num_labels} "
                  "labels; a reward model has 1")
-    tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, model_path, "model_name_or_path", args))
-    prompts = load_prompts(dataset, args, tokenizer, getattr(config, "max_position_embeddings", None))
+    tokenizer_path = model_path if not adapter_base(model_path) or os.path.isfile(
+        os.path.join(model_path, "tokenizer_config.json")) else adapter_base(model_path)
+    tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args))
+    prompts = load_prompts(dataset, args, tokenizer, getattr(configs["model_name_or_path"], "max_position_embeddings",
+                                                             None))
     reward_fn = None  # a reward model, if given, scores instead
     if not args.reward_model_path:  # check_args allows the built-in reward with the built-in prompts only
         reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else addition_reward
@@ -900,9 +950,13 @@ def load_models(args, model_path, inputs, rt):
     stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
         tokenizer.eos_token_id if args.stop_token == "eos" else None)
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args)
-    fit_tokenizer(policy, tokenizer)
+    base_paths = {"policy": stable_path(args, model_path, model_path, fit_tokenizer(policy, tokenizer))}
+    if args.lora_r:
+        policy = add_lora(policy, args)
     ref_policy = None  # --kl_coef 0: no KL, no reference model
-    if args.kl_coef:
+    if args.kl_coef and args.lora_r:
+        ref_policy = policy  # the same weights: score() switches the adapter off
+    elif args.kl_coef:
         ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args)
                       if args.ref_model_path else copy.deepcopy(policy))
         fit_tokenizer(ref_policy, tokenizer)
@@ -919,19 +973,19 @@ def load_models(args, model_path, inputs, rt):
             reward_tokenizer.pad_token = reward_tokenizer.eos_token
         reward_model.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
     value_model, value_source = load_value_model(args, model_path, tokenizer, reward_model is not None and
-                                                 reward_tokenizer is None, rt)
+                                                 reward_tokenizer is None, base_paths, rt)
     policy.to(rt.device)
     # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
     # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
+    policy_head = None if rt.fsdp else output_layer(policy)
     return SimpleNamespace(tokenizer=tokenizer, stop_token_id=stop_token_id, policy=policy, ref_policy=ref_policy,
                            value_model=value_model, reward_model=reward_model, value_source=value_source,
-                           reward_tokenizer=reward_tokenizer, reward_fn=inputs.reward_fn,
-                           policy_head=None if rt.fsdp else output_layer(policy),
-                           ref_head=None if ref_policy is None or rt.fsdp and args.shard_frozen_models
-                           else output_layer(ref_policy))
+                           reward_tokenizer=reward_tokenizer, reward_fn=inputs.reward_fn, policy_head=policy_head,
+                           ref_head=policy_head if ref_policy is policy else None if ref_policy is None or rt.fsdp
+                           and args.shard_frozen_models else output_layer(ref_policy), base_paths=base_paths)
 
 
-def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, rt):
+def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, base_paths, rt):
     """The value model (trained, fp32) and where it came from; none for a value-free --advantage_estimator. It reads
     the policy's token ids: it starts from the reward model only if that shares the policy's vocabulary."""
     if args.advantage_estimator != "gae":
@@ -942,10 +996,47 @@ def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary
     if not hasattr(value_model, "score"):
         fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
              "(a *ForSequenceClassification of a causal LM)")
-    fit_tokenizer(value_model, tokenizer)
+    base_paths["value_model"] = stable_path(args, value_path, model_path, fit_tokenizer(value_model, tokenizer))
+    if args.lora_r:  # its own adapter, and the whole score head
+        value_model = add_lora(value_model, args, modules_to_save=["score"])
     source = "value model from " + (f"--value_model_path {value_path}" if args.value_model_path else
                                     "the reward model" if value_path == args.reward_model_path else "the policy")
     return value_model.to(rt.device), source
+
+
+def stable_path(args, path, model_path, resized):
+    """path, if it will still hold the model's base weights after the run, else None (a LoRA run then saves them
+    beside its adapter): the built-in task's folder is deleted at exit, a vocabulary grown by a pad token is not the
+    checkpoint's, and an adapter checkpoint was merged into its base here."""
+    builtin = args.model_name_or_path == "builtin" and path == model_path
+    return None if resized or builtin or adapter_base(path) else path
+
+
+def add_lora(model, args, modules_to_save=None):
+    """peft LoRA adapters on the attention and MLP layers: from here on only they (and modules_to_save) train."""
+    peft = import_peft("--lora_r")
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                             target_modules=args.lora_target_modules or "all-linear", modules_to_save=modules_to_save)
+    try:
+        return quietly(peft.get_peft_model, model, config)
+    except ValueError as e:  # target modules not found
+        fail(f"--lora_target_modules {args.lora_target_modules}: {str(e).strip().splitlines()[0]}")
+
+
+def quietly(function, *args, **kwargs):
+    """function(*args, **kwargs) without its warnings: peft's are notices, not the user's to act on (GPT-2's Conv1D
+    layers get transposed adapters; transformers renamed a flag peft reads)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return function(*args, **kwargs)
+
+
+def import_peft(flag):
+    try:
+        import peft
+    except ImportError:
+        fail(f"{flag} needs `pip install peft`")
+    return peft
 
 
 def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
@@ -1211,10 +1302,11 @@ def wrap_for_training(models, args, rt):
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    frozen = [models.ref_policy, models.reward_model] if args.shard_frozen_models else []
+    frozen = [m for m in (models.ref_policy, models.reward_model) if args.shard_frozen_models and m is not None
+              and m is not models.policy]  # with LoRA, the reference is the policy
     for model in [models.policy, models.value_model] + frozen if rt.fsdp else []:
         if model is not None:
-            shard(model, frozen=model in frozen)
+            shard(model, frozen=any(model is m for m in frozen))
     model = PolicyAndValue(models.policy, models.value_model, fused_head=models.policy_head is not None)
     if rt.torchrun and not rt.fsdp:
         ddp = torch.nn.parallel.DistributedDataParallel
@@ -1233,7 +1325,7 @@ def shard(model, frozen=False):
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or ()):
             fully_shard(module)
-    for root in [getattr(model, model.base_model_prefix), model.score] if hasattr(model, "score") else [model]:
+    for root in [backbone(model), model.score] if hasattr(model, "score") else [model]:
         fully_shard(root, reshard_after_forward=True if frozen else None)
 
 
@@ -1296,8 +1388,9 @@ class TokenLogprobs(torch.autograd.Function):
         x, weight, bias, tokens, lse, entropy = ctx.saved_tensors
         grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs
         grad_x = torch.empty_like(x)
-        grad_w = None if weight is None else torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=x.device)
+        # a frozen output layer (LoRA) gets no gradient: at a 150k vocabulary that is hundreds of MiB and a matmul
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[2] else None
         chunk = logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
         for s in range(0, x.shape[0], chunk):
             g, rows = grad_logprobs[s : s + chunk, None], slice(s, s + chunk)
@@ -1312,11 +1405,11 @@ class TokenLogprobs(torch.autograd.Function):
                 grad_x[rows] = grad_z
                 continue
             grad_x[rows] = grad_z.to(weight.dtype) @ weight
-            if weight.dtype == torch.float32:  # in place: no (V, H) temporary per chunk
+            if grad_w is not None and weight.dtype == torch.float32:  # in place: no (V, H) temporary per chunk
                 grad_w.addmm_(grad_z.T, x[rows].float())
-            else:
+            elif grad_w is not None:
                 grad_w += (grad_z.to(weight.dtype).T @ x[rows].to(weight.dtype)).float()
-            if bias is not None:
+            if grad_b is not None:
                 grad_b += grad_z.sum(0)
         return grad_x, grad_w, grad_b, None, None
 
@@ -1347,22 +1440,42 @@ def full_state_dict(model, optimizer=None):
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def save_final(model, models, output_dir, rt):
-    """The trained policy and value model, whole, as from_pretrained folders (every rank gathers, rank 0 writes).
-    Each is written to a .tmp folder and swapped in: a crash never leaves a half-written model."""
+def save_final(model, models, args, output_dir, rt):
+    """The trained policy and value model, whole, as from_pretrained folders (every rank gathers, rank 0 writes). With
+    LoRA: peft adapter folders naming their base model (saved beside them when it would not outlive the run), and with
+    --merge_lora policy_merged/, the base with the adapter merged in."""
     weights = full_state_dict(model)
     for name, part in (("policy", models.policy), ("value_model", models.value_model)) if rt.rank == 0 else ():
         if part is None:  # a value-free estimator has no value model
             continue
-        path = os.path.join(output_dir, name)
-        shutil.rmtree(path + ".tmp", ignore_errors=True)
-        part.save_pretrained(path + ".tmp", state_dict={key.split(".", 1)[1]: value for key, value in weights.items()
-                                                        if key.startswith(name + ".")})
-        models.tokenizer.save_pretrained(path + ".tmp")
-        if os.path.exists(path):
-            os.replace(path, path + ".old")
-        os.replace(path + ".tmp", path)
-        shutil.rmtree(path + ".old", ignore_errors=True)
+        state = {key.split(".", 1)[1]: value for key, value in weights.items() if key.startswith(name + ".")}
+        if args.lora_r:
+            base = models.base_paths[name] or os.path.abspath(os.path.join(output_dir, f"{name}_base"))
+            if not models.base_paths[name]:  # the base's weights: peft's names without the adapters
+                base_state = {k.replace("base_model.model.", "", 1).replace(".base_layer", "")
+                              .replace(".original_module", ""): v for k, v in state.items()
+                              if ".lora_" not in k and ".modules_to_save." not in k}
+                save_folder(base, lambda tmp: part.get_base_model().save_pretrained(tmp, state_dict=base_state))
+            part.peft_config["default"].base_model_name_or_path = base
+        save_folder(os.path.join(output_dir, name), lambda tmp: (part.save_pretrained(tmp, state_dict=state),
+                                                                 models.tokenizer.save_pretrained(tmp)))
+    if args.merge_lora and rt.rank == 0:
+        def merge(tmp):
+            peft, policy_dir = import_peft("--merge_lora"), os.path.join(output_dir, "policy")
+            base = from_pretrained(AutoModelForCausalLM, adapter_base(policy_dir), "model_name_or_path", args)
+            quietly(peft.PeftModel.from_pretrained, base, policy_dir).merge_and_unload().save_pretrained(tmp)
+            models.tokenizer.save_pretrained(tmp)
+        save_folder(os.path.join(output_dir, "policy_merged"), merge)
+
+
+def save_folder(path, write):
+    """write(folder) into path.tmp, then swap it in for path: a crash never leaves a half-written folder."""
+    shutil.rmtree(path + ".tmp", ignore_errors=True)
+    write(path + ".tmp")
+    if os.path.exists(path):
+        os.replace(path, path + ".old")
+    os.replace(path + ".tmp", path)
+    shutil.rmtree(path + ".old", ignore_errors=True)
 
 
 def list_checkpoints(output_dir):
@@ -1377,6 +1490,9 @@ def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler
     KL controller changes) and the algorithmic flags. Rank 0 writes a
     .tmp folder, flushes and renames it (a checkpoint-N folder is always complete); the newest save_total_limit stay."""
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
+    if args.lora_r:  # only what trains: the adapters and the value head (the base is the checkpoint it started from)
+        inner = model.module if hasattr(model, "module") else model  # DDP
+        weights = {k: v for k, v in weights.items() if k in {n for n, p in inner.named_parameters() if p.requires_grad}}
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
     if rt.rank == 0:
         tmp = path + ".tmp"
@@ -1410,7 +1526,7 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
     if state["world_size"] != rt.world_size:  # the global batch, hence the prompt stream, depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
-    options = StateDictOptions(full_state_dict=True)
+    options = StateDictOptions(full_state_dict=True)  # with LoRA only what trains was saved: the rest stays
     set_model_state_dict(model, state["model"], options=options)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -1528,13 +1644,16 @@ class Logger:
         if rt.rank == 0:
             os.makedirs(output_dir, exist_ok=True)
         mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
+        every = [p for m in (models.policy, models.value_model) if m is not None for p in m.parameters()]
+        every, trained = sum(p.numel() for p in every), sum(p.numel() for p in every if p.requires_grad)
         k = args.num_generations
         what = "prompts" if k == 1 else f"responses to {sizes.batch_size // k} prompts x {k}"
         self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
                    f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
                    f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
                    f"device {rt.device}, {args.dtype}, output {output_dir}; {models.value_source}"
-                   f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}")
+                   f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
+                   + (f"; LoRA r {args.lora_r}: {trained:,} of {every:,} parameters train" if args.lora_r else ""))
         self.start_time = time.time()
         self.absent = ({"objective/kl"} if models.ref_policy is None else set()) | (
             {"loss/value_avg", "val/explained_variance"} if models.value_model is None else set())

@@ -966,7 +966,7 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "save_total_limit": -1, "num_sample_generations": -1, "gamma": 1.5, "lam": -0.01, "target_kl": 0.0,
                 "stop_token_id": -1, "missing_eos_penalty": float("nan"), "num_generations": 0,
                 "adaptive_kl_horizon": 0, "adaptive_kl_target": 0.0, "cliprange_high": -0.1, "dual_clip": 1.0,
-                "entropy_coef": float("inf")}
+                "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0}
 
 
 def file_case(case, tiny, tmp_path):
@@ -1015,6 +1015,9 @@ def file_case(case, tiny, tmp_path):
                                       "--value_model_path"),
         "a reference model without KL": (dict(ref_model_path=tiny["gpt2"], kl_coef=0.0), "--ref_model_path"),
         "an adaptive KL of zero": (dict(adaptive_kl_target=1.0, kl_coef=0.0), "--kl_coef"),
+        "LoRA without peft": (dict(lora_r=4), "--lora_r"),
+        "a reference model with LoRA": (dict(lora_r=4, ref_model_path=tiny["gpt2"]), "--ref_model_path"),
+        "merging without LoRA": (dict(merge_lora=True), "--merge_lora"),
     }[case]
 
 
@@ -1025,12 +1028,14 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "output_dir is a file", "a run is in output_dir", "missing checkpoint", "minibatches do not divide",
               "micro-batches do not divide", "fp16 with fsdp", "tracking without wandb",
               "groups do not divide the batch", "a group baseline with one response per prompt",
-              "a value model without GAE", "a reference model without KL", "an adaptive KL of zero"]
+              "a value model without GAE", "a reference model without KL", "an adaptive KL of zero",
+              "LoRA without peft", "a reference model with LoRA", "merging without LoRA"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
             "reward model with 2 labels": "with 2 labels", "missing policy": "no such folder",
-            "output_dir is a file": "is a file", "missing reward function": "has no function 'no_such'"}
+            "output_dir is a file": "is a file", "missing reward function": "has no function 'no_such'",
+            "LoRA without peft": "pip install peft"}
 
 
 def test_the_bad_input_table_covers_every_ranged_flag():
@@ -1045,8 +1050,8 @@ def test_bad_input_fails_in_one_line_before_any_model_loads_and_writes_nothing(t
         overrides, flag = file_case(case, tiny, tmp_path)
     if case == "fp16 with fsdp":
         monkeypatch.setenv("RANK", "0")  # as under torchrun; the check comes before the process group would start
-    if case == "tracking without wandb":
-        monkeypatch.setitem(sys.modules, "wandb", None)
+    if case in ("tracking without wandb", "LoRA without peft"):
+        monkeypatch.setitem(sys.modules, "wandb" if case.startswith("tracking") else "peft", None)
     args = run_args(tiny, tmp_path, **overrides)
     before = sorted(os.listdir(tmp_path))
 
@@ -1068,6 +1073,7 @@ RUNTIME_CASES = {  # found only once the models run: still one line, and no metr
     "a reward function returning the wrong count": (dict(reward_model_path=None, reward_fn=f"{__file__}:wrong_count"),
                                                      "--reward_fn"),
     "a reward function returning NaN": (dict(reward_model_path=None, reward_fn=f"{__file__}:nan_score"), "--reward_fn"),
+    "LoRA on layers the model lacks": (dict(lora_r=4, lora_target_modules=["no_such_layer"]), "--lora_target_modules"),
 }
 
 
@@ -1145,8 +1151,11 @@ def cli_run(tiny, output_dir, *extra):
 
 
 def final_weights(output_dir):
+    """The saved models' weights (of an adapter folder: the adapter's), by folder."""
     from safetensors.torch import load_file
-    return {name: load_file(os.path.join(output_dir, name, "model.safetensors")) for name in ("policy", "value_model")
+    files = {name: [os.path.join(output_dir, name, f) for f in ("model.safetensors", "adapter_model.safetensors")]
+             for name in ("policy", "value_model")}
+    return {name: load_file(next(f for f in paths if os.path.exists(f))) for name, paths in files.items()
             if os.path.exists(os.path.join(output_dir, name))}
 
 
@@ -1168,7 +1177,11 @@ VALUE_FREE = ("--advantage_estimator", "grpo", "--num_generations", "2", "--kl_i
               "0.5", "--adaptive_kl_horizon", "50")  # no value model; β changes every update, and is checkpointed
 
 
-@pytest.mark.parametrize("sig,flags", [(signal.SIGKILL, ()), (signal.SIGTERM, ()), (signal.SIGKILL, VALUE_FREE)])
+LORA = ("--lora_r", "4", "--learning_rate", "1e-2")  # the checkpoint holds the adapters and the value head only
+
+
+@pytest.mark.parametrize("sig,flags", [(signal.SIGKILL, ()), (signal.SIGTERM, ()), (signal.SIGKILL, VALUE_FREE),
+                                       (signal.SIGKILL, LORA)])
 def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig, flags, straight):
     killed = str(tmp_path / "killed")
     process = cli_run(tiny, killed, *flags)
@@ -1187,11 +1200,11 @@ def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig, flags, straig
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0 and "resumed from" in out, err
     a, b = read_metrics(straight(*flags)), read_metrics(killed)
-    assert len({m["objective/kl_coef"] for m in a}) == (12 if flags else 1)
+    assert len({m["objective/kl_coef"] for m in a}) == (12 if flags == VALUE_FREE else 1)
     assert [m["update"] for m in b] == list(range(1, 13))  # one line per update: no duplicate, no gap
     assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b]
     wa, wb = final_weights(straight(*flags)), final_weights(killed)
-    assert list(wa) == (["policy"] if flags else ["policy", "value_model"])
+    assert list(wa) == (["policy"] if flags == VALUE_FREE else ["policy", "value_model"])
     for name in wa:
         assert wa[name].keys() == wb[name].keys() and all(torch.equal(wa[name][k], wb[name][k]) for k in wa[name])
 
@@ -1294,6 +1307,37 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode):
     for name, weights in final_weights(out).items():  # the saved models are the whole trained ones, not a shard
         assert all(torch.equal(value, last[f"{name}.{key}"]) for key, value in weights.items()) and len(weights) > 20
     # resuming from the first checkpoint redoes update 2 exactly: weights and optimizer state came back whole
+    resumed = torchrun(*flags, "--resume", os.path.join(out, "checkpoint-000001"))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    assert [DETERMINISTIC_KEYS(m) for m in read_metrics(out)] == [DETERMINISTIC_KEYS(m) for m in metrics]
+
+
+def trained_name(key):
+    """A key of a saved adapter file -> the name of the parameter that trained (peft's file drops the adapter name)."""
+    return re.sub(r"\.(lora_[AB])\.", r".\1.default.", key).replace(".score.", ".score.modules_to_save.default.")
+
+
+@needs_gloo
+def test_torchrun_lora_under_fsdp(tiny, tmp_path):
+    """LoRA with FSDP2 and sharded frozen models on 2 ranks: the reference is the policy with its adapter off, the
+    checkpoint holds only what trains, a resume redoes update 2 exactly, and the saved adapter is the trained one."""
+    out = str(tmp_path / "lora")
+    flags = ["--model_name_or_path", tiny["llama"], "--reward_model_path", tiny["llama_rm"],
+             "--dataset", tiny["prompts"], "--output_dir", out, "--total_episodes", "32",
+             "--per_device_train_batch_size", "8",
+             "--num_mini_batches", "2", "--num_ppo_epochs", "2", "--response_length", "6", "--learning_rate", "1e-2",
+             "--num_sample_generations", "0", "--save_every", "1", "--distributed", "fsdp", "--shard_frozen_models",
+             "--lora_r", "4"]
+    result = torchrun(*flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert all(abs(m["policy/first_ratio"] - 1) < 1e-5 for m in metrics)
+    last = torch.load(os.path.join(out, "checkpoint-000002", "state.pt"), weights_only=True)["model"]
+    assert all(".lora_" in k or ".modules_to_save." in k for k in last)
+    assert min(v.abs().max() for k, v in last.items() if ".lora_B." in k) > 0  # B starts at 0: every adapter trained
+    for name, weights in final_weights(out).items():  # the whole trained adapters, not a shard
+        assert len(weights) > 10 and all(torch.equal(value, last[f"{name}.{trained_name(key)}"])
+                                         for key, value in weights.items())
     resumed = torchrun(*flags, "--resume", os.path.join(out, "checkpoint-000001"))
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     assert [DETERMINISTIC_KEYS(m) for m in read_metrics(out)] == [DETERMINISTIC_KEYS(m) for m in metrics]
@@ -1586,3 +1630,139 @@ def test_two_ranks_of_main_keep_each_group_on_one_rank(tiny, tmp_path):
         advantages = torch.cat([F.pad(r["advantages"], (0, 6 - r["advantages"].shape[1])) for r in (a, b)])
         assert torch.allclose(advantages, torch.where(mask, expected[:, None], 0.0), atol=1e-6)
         assert scores.std() > 0 and expected.abs().max() > 0.5  # not all equal: the test has teeth
+
+
+# ----------------------------------------------------------------------------------------------------------------- LoRA
+def lora_policy(tiny, arch, **flags):
+    """The tiny policy with LoRA adapters whose B is random (at the start B = 0 and the adapter does nothing)."""
+    policy = P.add_lora(loaded(tiny, arch), P.Args(lora_r=4, **flags))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return policy
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_lora_reference_is_the_base_and_only_adapters_and_the_value_head_train(tiny, arch):
+    policy, base = lora_policy(tiny, arch), loaded(tiny, arch)
+    assert type(P.backbone(policy)).__name__ == type(P.backbone(base)).__name__  # the decoder stack, not the LM
+    ids, mask = P.left_pad([[5, 6, 7, 8, 9], [9, 10, 11]], pad_token_id=0)
+    with torch.no_grad():
+        with policy.disable_adapter():
+            off = P.response_logprobs(policy, ids, mask, 2, 1.0, P.output_layer(policy))[0]
+        on = P.response_logprobs(policy, ids, mask, 2, 1.0, P.output_layer(policy))[0]
+        reference = P.response_logprobs(base, ids, mask, 2, 1.0)[0]
+    assert torch.allclose(off, reference, atol=1e-6) and not torch.allclose(on, reference, atol=1e-3)
+    value_model = loaded(tiny, arch, AutoModelForSequenceClassification, f"{arch}_rm")
+    value_model = P.add_lora(value_model, P.Args(lora_r=4), modules_to_save=["score"])
+    model = P.PolicyAndValue(policy, value_model, fused_head=True)
+    logprobs, entropy, values = model(ids, mask, 2, 1.0)
+    (logprobs.sum() + entropy.sum() + values.sum()).backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert with_grad == trainable and all("lora_" in n or "modules_to_save" in n for n in trainable)
+    assert any("score.modules_to_save" in n for n in trainable) and len(trainable) > 10
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_the_chunked_output_layer_makes_no_gradient_for_a_frozen_head(monkeypatch, frozen):
+    """With LoRA the output layer is frozen: backward must not build its (V, H) gradient (hundreds of MiB at a 150k
+    vocabulary); the gradient of the hidden states is the same either way."""
+    monkeypatch.setattr(P, "logprobs_chunk_rows", lambda vocab_size: 4)
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.randn(2, 6, 16, generator=gen, requires_grad=True)
+    head = torch.nn.Linear(16, 50, bias=True)
+    head.requires_grad_(not frozen)
+    tokens = torch.randint(0, 50, (2, 6), generator=gen)
+    logprobs, entropy = P.token_logprobs(hidden, tokens, 1.0, head)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        (logprobs.sum() + entropy.sum()).backward()
+    addmm = sum(e.count for e in prof.key_averages() if e.key == "aten::addmm_")  # ∂W += ∂zᵀ·x, per chunk
+    assert addmm == (0 if frozen else 3) and (head.weight.grad is None) == frozen
+    expected = torch.autograd.grad((lambda lp: (lp.gather(-1, tokens[..., None]).sum() - (lp.exp() * lp).sum()))(
+        torch.log_softmax(head(hidden), -1)), hidden)[0]
+    assert torch.allclose(hidden.grad, expected, atol=1e-5)
+
+
+def lora_logprobs(model, batch):
+    with torch.no_grad():
+        return P.response_logprobs(model, batch["query_responses"], batch["attention_mask"], batch["context_length"],
+                                   1.0)[0]
+
+
+@pytest.mark.parametrize("arch,dtype,gradient_checkpointing", [("gpt2", "fp32", False), ("llama", "bf16", True)])
+def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, monkeypatch, arch, dtype,
+                                                               gradient_checkpointing):
+    """A LoRA run: the first ratio is 1, the reference log-probs are the base model's, the checkpoint holds only what
+    trains; policy/ is an adapter naming the base it was trained on, and policy_merged/ loads with from_pretrained
+    and gives the log-probs of base + adapter."""
+    from peft import PeftModel
+    calls, loaded_models, load_models = spy_on_updates(monkeypatch), [], P.load_models
+    monkeypatch.setattr(P, "load_models", lambda *a: loaded_models.append(load_models(*a)) or loaded_models[-1])
+    args = run_args(tiny, tmp_path, model_name_or_path=tiny[arch], reward_model_path=tiny[f"{arch}_rm"],
+                    lora_r=4, lora_alpha=8.0, merge_lora=True, dtype=dtype, learning_rate=1e-2, save_every=2,
+                    gradient_checkpointing=gradient_checkpointing)
+    P.main(args)
+    metrics = read_metrics(args.output_dir)
+    assert all(abs(m["policy/first_ratio"] - 1) < 1e-5 for m in metrics)
+    assert loaded_models[0].ref_policy is loaded_models[0].policy  # no copy: the same weights, adapter off
+    base = loaded(tiny, arch)
+    for batch, logprobs, _, _ in calls:
+        mask = batch["response_mask"]
+        reference = lora_logprobs(base, batch) if dtype == "fp32" else None
+        if reference is not None:
+            assert torch.allclose(batch["ref_logprobs"][mask], reference[mask], atol=1e-5)
+    assert not torch.allclose(calls[-1][1][mask], batch["ref_logprobs"][mask], atol=1e-3)  # the adapter moved
+    state = torch.load(os.path.join(args.output_dir, "checkpoint-000002", "state.pt"), weights_only=True)["model"]
+    assert state and all(".lora_" in k or ".modules_to_save." in k for k in state)
+    assert sorted(os.listdir(args.output_dir)) == ["checkpoint-000002", "metrics.jsonl", "policy", "policy_merged",
+                                                   "value_model"]  # the base is the tiny model's folder: no copy
+    policy_dir = os.path.join(args.output_dir, "policy")
+    assert P.adapter_base(policy_dir) == tiny[arch]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny[arch]), policy_dir)
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy_merged"))
+    assert torch.allclose(lora_logprobs(adapted, batch), lora_logprobs(merged, batch), atol=1e-5)
+    assert not torch.allclose(lora_logprobs(merged, batch), lora_logprobs(base, batch), atol=1e-3)
+    adapter = {k: v for k, v in adapted.state_dict().items() if ".lora_" in k}
+    assert adapter.keys() == {k[len("policy."):] for k in state if k.startswith("policy.")}  # the trained adapter
+    assert all(torch.equal(v, state["policy." + k]) for k, v in adapter.items())
+
+
+def test_an_adapter_checkpoint_as_the_policy_is_merged_and_is_the_reference(tiny, tmp_path, monkeypatch):
+    """--model_name_or_path an adapter folder: the base with that adapter merged in is both where the new adapter
+    starts and the reference; also with a value-free estimator (no value model)."""
+    from peft import PeftModel
+    adapter_dir = str(tmp_path / "adapter")
+    lora_policy(tiny, "gpt2").save_pretrained(adapter_dir)
+    assert P.adapter_base(adapter_dir) == tiny["gpt2"]
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, model_name_or_path=adapter_dir, lora_r=4, total_episodes=8,
+                    advantage_estimator="grpo", num_generations=2)
+    P.main(args)
+    policy_dir = os.path.join(args.output_dir, "policy")  # its base is the merged model, saved beside it
+    assert P.adapter_base(policy_dir) == os.path.join(args.output_dir, "policy_base")
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(P.adapter_base(policy_dir)), policy_dir)
+    merged = PeftModel.from_pretrained(loaded(tiny, "gpt2"), adapter_dir).merge_and_unload()
+    batch, logprobs, values, _ = calls[0]
+    mask = batch["response_mask"]
+    assert values is None and torch.allclose(batch["ref_logprobs"][mask], lora_logprobs(merged, batch)[mask], atol=1e-5)
+    assert torch.allclose(logprobs[mask], batch["ref_logprobs"][mask], atol=1e-5)  # B = 0: π_θ starts at the merged
+    assert not torch.allclose(lora_logprobs(loaded(tiny, "gpt2"), batch)[mask], logprobs[mask], atol=1e-3)
+
+
+def test_lora_on_the_built_in_task_saves_the_base_beside_the_adapters(tmp_path):
+    """The built-in task's model lives in a temp folder deleted at exit: its base weights are saved beside the
+    adapters, which name them, so that the adapters load after the run."""
+    from peft import PeftModel
+    out = str(tmp_path / "run")
+    result = subprocess.run([sys.executable, SCRIPT, "--lora_r", "4", "--total_episodes", "256", "--output_dir", out],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert "LoRA r 4: " in result.stdout.splitlines()[0]
+    for name, cls in (("policy", AutoModelForCausalLM), ("value_model", AutoModelForSequenceClassification)):
+        folder = os.path.join(out, name)
+        assert P.adapter_base(folder) == os.path.join(out, f"{name}_base")
+        model = PeftModel.from_pretrained(cls.from_pretrained(P.adapter_base(folder)), folder)
+        assert any(v.abs().max() > 0 for k, v in model.state_dict().items() if "lora_B" in k)  # trained adapters
