@@ -80,7 +80,12 @@ class Args:
     wandb_project_name: str = "ppo_rlhf"
     """wandb project, with --track"""
     num_sample_generations: int = 10
-    """print a few completions with their scores this many times during training (0: never)"""
+    """this many times during training (0: never), print a few completions with their scores and evaluate"""
+    eval_dataset: Optional[str] = "builtin"
+    """held-out prompts (formats as --dataset), evaluated num_sample_generations times and after the last update:
+    `builtin`: with the built-in task its 20 held-out sums (it trains on the other 80), else none; None: none"""
+    eval_temperature: float = 0.0
+    """sampling temperature of the evaluation (0: greedy)"""
     save_every: int = 0
     """write a resumable checkpoint into output_dir every this many updates (0: only when stopped by a signal)"""
     save_total_limit: int = 2
@@ -220,7 +225,7 @@ class Args:
 # another value is refused (a field the checkpoint predates counts as having had its default).
 RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
                    "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
-                   "dist_timeout_s", "merge_lora"}
+                   "dist_timeout_s", "merge_lora", "eval_temperature"}
 
 
 # What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
@@ -231,7 +236,7 @@ FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradi
                "> 0": (lambda v: v > 0, ["temperature", "cliprange", "cliprange_value", "max_grad_norm",
                                         "dist_timeout_s", "lora_alpha"]),
                ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
-                                          "num_sample_generations", "lora_r"]),
+                                          "num_sample_generations", "lora_r", "eval_temperature"]),
                "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
                "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high"]),
                "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
@@ -495,10 +500,12 @@ class PolicyAndValue(torch.nn.Module):
 
 
 # -------------------------------------------------------------------------------------------------- rollout and scoring
-def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_id, pad_token_id, sync_ranks=False):
-    """Sample y_t ~ softmax(z_t / T) with a KV cache: exactly the policy we train (no top-k/top-p). -> responses and
-    log π_old(y_t|s_t), (B, L ≤ max_new_tokens), pad ids and 0 after a row's stop token. sync_ranks: a sharded
-    policy's forward is a collective, so every rank steps until all are done. Call under no_grad or inference_mode."""
+def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_id, pad_token_id, sync_ranks=False,
+             generator=None):
+    """Sample y_t ~ softmax(z_t / T) with a KV cache: exactly the policy we train (no top-k/top-p); T = 0: the argmax
+    (greedy; its log-probs are those of T = 1). -> responses and log π_old(y_t|s_t), (B, L ≤ max_new_tokens), pad ids
+    and 0 after a row's stop token. sync_ranks: a sharded policy's forward is a collective, so every rank steps until
+    all are done. generator: the sampling's own random stream. Call under no_grad or inference_mode."""
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # a peft model passes kwargs on
     cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
     cache = DynamicCache(config=policy.config)
@@ -509,8 +516,9 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
     for _ in range(max_new_tokens):
         out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                      **{cache_kw: cache})
-        logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V)
-        token = torch.multinomial(logp.exp(), 1).squeeze(1).masked_fill(done, pad_token_id)
+        logp = torch.log_softmax(out.logits[:, -1].float() / (temperature or 1.0), dim=-1)  # (B, V)
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1) if temperature else logp.argmax(-1)
+        token = token.masked_fill(done, pad_token_id)
         tokens.append(token)
         logprobs.append(logp.gather(1, token[:, None]).squeeze(1).masked_fill(done, 0.0))
         if stop_token_id is not None:
@@ -522,14 +530,16 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
     return torch.stack(tokens, 1), torch.stack(logprobs, 1)
 
 
-def rollout(models, queries, query_mask, args, rt):
+def rollout(models, queries, query_mask, args, rt, temperature=None, generator=None):
     """Phase 1: sample a response to each query (B, P) with the current policy π_old, keeping log π_old of each
     sampled token. -> the batch: query_responses (B, P + R), attention_mask, response_mask (B, R; True = real token,
-    the stop token included), lengths and contains_eos (B,), logprobs (B, R; 0 on padding), context_length P."""
+    the stop token included), lengths and contains_eos (B,), logprobs (B, R; 0 on padding), context_length P.
+    temperature and generator: the evaluation's (default: --temperature and the global random stream)."""
     chunk, pad, stop = args.local_rollout_forward_batch_size, models.tokenizer.pad_token_id, models.stop_token_id
     with rt.no_grad(), rt.autocast(), gathered(models.policy, rt.fsdp and args.rollout_unshard):
         generated = [generate(models.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
-                              args.temperature, stop, pad, sync_ranks=rt.fsdp and not args.rollout_unshard)
+                              args.temperature if temperature is None else temperature, stop, pad,
+                              sync_ranks=rt.fsdp and not args.rollout_unshard, generator=generator)
                      for i in range(0, len(queries), chunk)]
     R = max(r.shape[1] for r, _ in generated)
     responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad) for r, _ in generated])
@@ -600,6 +610,48 @@ def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
         return reward_model(**enc).logits[:, 0].float()
     last = (mask * torch.arange(mask.shape[1], device=device)).argmax(1, keepdim=True)
     return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
+
+
+def evaluate(models, prompts, update, args, rt):
+    """Held-out evaluation: each prompt answered once at --eval_temperature (0: greedy), with a random stream of its
+    own seeded from (seed, update), never the training's: a run trains the same with or without it. Rank r takes
+    the r-th of world_size equal slices (the last prompt repeats to fill them: sharded models must run alike).
+    -> eval/score (mean raw score), eval/kl (the exact KL(π_θ‖π_ref) summed over each response: Σ_v π·log(π/π_ref)
+    at every token, mean over prompts), eval/response_length, over all ranks; and this rank's samples."""
+    n = len(prompts.ids)
+    per_rank = -(-n // rt.world_size)
+    rows = [min(rt.rank * per_rank + i, n - 1) for i in range(per_rank)]
+    real = torch.tensor([rt.rank * per_rank + i < n for i in range(per_rank)], device=rt.device)
+    generator = torch.Generator(rt.device).manual_seed(hash((args.seed, update, rt.rank, 1)) % 2**63)
+    queries, query_mask = left_pad([prompts.ids[r] for r in rows], models.tokenizer.pad_token_id)
+    queries, query_mask = queries.to(rt.device), query_mask.to(rt.device)
+    batch = rollout(models, queries, query_mask, args, rt, args.eval_temperature, generator)
+    scored = score(models, batch, prompts, rows, args, rt)
+    metrics = {"eval/score": (scored["raw_scores"] * real).sum(),
+               "eval/response_length": (batch["lengths"] * real).sum()}
+    if models.ref_policy is not None:
+        metrics["eval/kl"] = (exact_kl(models, batch, args, rt) * real).sum()
+    if models.reward_fn is addition_reward:
+        metrics["eval/success_rate"] = ((scored["raw_scores"] == 1) * real).sum()
+    totals = all_ranks_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in metrics.values()]))
+    samples = [dict(update=update + 1, prompt=prompts.texts[r], completion=c, score=s) for r, c, s, keep in
+               zip(rows, scored["completions"], scored["raw_scores"].tolist(), real.tolist()) if keep]
+    return {key: value / n for key, value in zip(metrics, totals.tolist())}, samples
+
+
+def exact_kl(models, batch, args, rt):
+    """Σ_t Σ_v π_θ(v|s_t)·(log π_θ(v|s_t) − log π_ref(v|s_t)) per response (B,), at --temperature, over its real
+    tokens: the KL itself, not a one-sample estimate. Makes (chunk, R, V) logits: for the small evaluation set."""
+    kl, mask, chunk = [], batch["response_mask"], args.local_rollout_forward_batch_size
+    ids, ids_mask, R = batch["query_responses"][:, :-1], batch["attention_mask"][:, :-1], mask.shape[1]
+    with rt.no_grad(), rt.autocast():
+        for i in range(0, len(ids), chunk):
+            rows = slice(i, i + chunk)
+            logp = forward(models.policy, ids[rows], ids_mask[rows], R).float().div(args.temperature).log_softmax(-1)
+            with models.ref_policy.disable_adapter() if args.lora_r else nullcontext():
+                ref = forward(models.ref_policy, ids[rows], ids_mask[rows], R).float().div(args.temperature)
+            kl.append((logp.exp() * (logp - ref.log_softmax(-1))).sum(-1))
+    return torch.where(mask, torch.cat(kl), 0.0).sum(1)
 
 
 # ------------------------------------------------------------------------------------------------------- the PPO update
@@ -725,10 +777,10 @@ def update_stats(stats, mb, new_logprobs, entropy, cliprange, losses):
 def main(args: Args):
     sizes = agreed(check_args, args)  # flags only: a bad one fails here, before anything is loaded or started
     transformers.utils.logging.disable_progress_bar()  # loading and saving bars would bury the per-update lines
-    model_path, dataset = builtin_task(args)  # written before the process group exists (see build_addition_task)
+    model_path, dataset, eval_dataset = builtin_task(args)  # written before the process group exists (see there)
     rt = start_processes(args)  # torchrun: join the process group; device and precision
     output_dir = from_rank_0(args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
-    inputs = agreed(check_inputs, args, model_path, dataset, output_dir)  # files: fails before any model loads
+    inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # fails before models load
     prompts = inputs.prompts
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # the same on every rank: a new value head starts identical everywhere
@@ -792,7 +844,12 @@ def main(args: Args):
 
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
         metrics, token_counts = update_metrics(batch, trained, models, args, rt)
-        log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows)
+        samples = []
+        if inputs.eval_prompts and log.evaluates(update):  # held-out prompts, after this update's epochs
+            model.eval()
+            eval_metrics, samples = evaluate(models, inputs.eval_prompts, update, args, rt)
+            metrics.update(eval_metrics)
+        log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows, samples)
         if args.adaptive_kl_target is not None:  # from the KL of the global batch: every rank gets the same β
             kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.adaptive_kl_target, sizes.batch_size,
                                        args.adaptive_kl_horizon)
@@ -891,7 +948,7 @@ def fit_tokenizer(model, tokenizer):
     return resized
 
 
-def check_inputs(args, model_path, dataset, output_dir):
+def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     """Every check that needs files but no model weights, so that bad input fails before minutes of loading: the
     output folder, the checkpoint to resume, wandb for --track, the models' configs (a reward model must be a sequence
     classifier with one label), the policy's tokenizer, the prompts, the reward function. -> tokenizer, prompts,
@@ -934,12 +991,13 @@ def check_inputs(args, model_path, dataset, output_dir):
     tokenizer_path = model_path if not adapter_base(model_path) or os.path.isfile(
         os.path.join(model_path, "tokenizer_config.json")) else adapter_base(model_path)
     tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args))
-    prompts = load_prompts(dataset, args, tokenizer, getattr(configs["model_name_or_path"], "max_position_embeddings",
-                                                             None))
+    context = getattr(configs["model_name_or_path"], "max_position_embeddings", None)
+    prompts = load_prompts(dataset, args, tokenizer, context)
+    eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
     reward_fn = None  # a reward model, if given, scores instead
     if not args.reward_model_path:  # check_args allows the built-in reward with the built-in prompts only
         reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else addition_reward
-    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, reward_fn=reward_fn)
+    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fn=reward_fn)
 
 
 def load_models(args, model_path, inputs, rt):
@@ -1061,29 +1119,29 @@ def left_pad(sequences, pad_token_id):
     return ids, mask
 
 
-def load_prompts(dataset, args, tokenizer, context):
+def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     """-> texts, token ids and chat messages (None for plain text) of the prompts, checked: some, none empty, and
     each short enough for the policy's context (its max_position_embeddings, if any) with --response_length."""
-    texts, ids, messages = render_prompts(read_prompts(dataset, args.dataset_train_split), tokenizer)
+    texts, ids, messages = render_prompts(read_prompts(dataset, args.dataset_train_split, flag), tokenizer, flag)
     if not texts:
-        fail(f"--dataset {dataset!r} holds no prompts")
+        fail(f"--{flag} {dataset!r} holds no prompts")
     if min(len(i) for i in ids) == 0:
-        fail(f"--dataset {dataset!r}: prompt {[len(i) for i in ids].index(0)} is empty after tokenization")
+        fail(f"--{flag} {dataset!r}: prompt {[len(i) for i in ids].index(0)} is empty after tokenization")
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
     if context and len(ids[longest]) + args.response_length > context:
-        fail(f"--dataset: prompt {longest} has {len(ids[longest])} tokens, which with --response_length "
+        fail(f"--{flag}: prompt {longest} has {len(ids[longest])} tokens, which with --response_length "
              f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
     return SimpleNamespace(texts=texts, ids=ids, messages=messages)
 
 
-def read_prompts(dataset, split):
+def read_prompts(dataset, split, flag="dataset"):
     """-> list of prompts, each a string or a list of chat messages."""
     if dataset.endswith((".txt", ".jsonl")):
         try:
             with open(dataset, encoding="utf-8") as f:
                 lines = [line.rstrip("\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
-            fail(f"--dataset {dataset!r} cannot be read: {e}")
+            fail(f"--{flag} {dataset!r} cannot be read: {e}")
         if dataset.endswith(".txt"):
             return lines
         rows = []
@@ -1092,30 +1150,30 @@ def read_prompts(dataset, split):
                 row = json.loads(line)
                 rows.append(row["prompt"] if "prompt" in row else row["messages"])
             except (ValueError, KeyError, TypeError):
-                fail(f"--dataset {dataset!r} line {i + 1}: expected a JSON object with a `prompt` or `messages` field")
+                fail(f"--{flag} {dataset!r} line {i + 1}: expected a JSON object with a `prompt` or `messages` field")
         return rows
     if os.path.exists(dataset):
-        fail(f"--dataset {dataset!r}: use a .txt or .jsonl file")
+        fail(f"--{flag} {dataset!r}: use a .txt or .jsonl file")
     try:
         import datasets
     except ImportError:
-        fail(f"--dataset {dataset!r} is not a local .txt/.jsonl file; a hub dataset needs `pip install datasets`")
+        fail(f"--{flag} {dataset!r} is not a local .txt/.jsonl file; a hub dataset needs `pip install datasets`")
     try:
         data = datasets.load_dataset(dataset, split=split)
     except Exception as e:  # datasets raises many kinds; all mean this flag is wrong
-        fail(f"--dataset {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
+        fail(f"--{flag} {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
     column = "prompt" if "prompt" in data.column_names else "messages"
     if column not in data.column_names:
-        fail(f"--dataset {dataset!r} has no `prompt` or `messages` column")
+        fail(f"--{flag} {dataset!r} has no `prompt` or `messages` column")
     return list(data[column])
 
 
-def render_prompts(rows, tokenizer):
+def render_prompts(rows, tokenizer, flag="dataset"):
     """Chat messages go through the tokenizer's chat template (a trailing assistant turn is dropped).
     -> prompt texts, their token ids, and the messages (None for plain text)."""
     messages = [None if isinstance(r, str) else r[:-1] if r and r[-1].get("role") == "assistant" else r for r in rows]
     if tokenizer.chat_template is None and any(m is not None for m in messages):
-        fail("--dataset has chat `messages` but the policy's tokenizer has no chat template")
+        fail(f"--{flag} has chat `messages` but the policy's tokenizer has no chat template")
     texts = [r if m is None else tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
              for r, m in zip(rows, messages)]
     return texts, [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)], messages
@@ -1162,22 +1220,26 @@ def addition_reward(prompts, completions):
 
 
 def builtin_task(args):
-    """-> the policy's path and the prompts' path. `builtin` ones belong to the built-in task, which each process
-    writes into its own temp folder (deleted at exit), before the process group exists: under torchrun,
-    transformers' save_pretrained writes on rank 0 only."""
+    """-> the paths of the policy, the prompts and the eval prompts (or None). `builtin` ones belong to the built-in
+    task, which each process writes into its own temp folder (deleted at exit), before the process group exists:
+    under torchrun, transformers' save_pretrained writes on rank 0 only."""
     model_path, dataset = args.model_name_or_path, args.dataset
+    eval_dataset = None if args.eval_dataset == "builtin" else args.eval_dataset
     if "builtin" in (model_path, dataset):
         folder = tempfile.mkdtemp(prefix="ppo_rlhf_builtin_")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        builtin_model, builtin_prompts = build_addition_task(folder, args.seed)
+        held_out = dataset == "builtin" and args.eval_dataset == "builtin"
+        builtin_model, builtin_prompts, builtin_eval = build_addition_task(folder, args.seed, held_out)
         model_path = builtin_model if model_path == "builtin" else model_path
-        dataset = builtin_prompts if dataset == "builtin" else dataset
-    return model_path, dataset
+        dataset, eval_dataset = (builtin_prompts, builtin_eval or eval_dataset) if dataset == "builtin" else (
+            dataset, eval_dataset)
+    return model_path, dataset, eval_dataset
 
 
-def build_addition_task(folder, seed):
+def build_addition_task(folder, seed, held_out=True):
     """The built-in task: 100 prompts `a + b =` (a, b in 0..9) and a tiny randomly initialised Llama with a
-    word-level tokenizer, both written to `folder` and then loaded like any hub model. -> model folder, prompts file."""
+    word-level tokenizer, both written to `folder` and then loaded like any hub model. held_out: 20 of the sums (the
+    same for every seed) are kept apart for evaluation. -> model folder, prompts file, eval prompts file (or None)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -1193,10 +1255,14 @@ def build_addition_task(folder, seed):
     model_dir = os.path.join(folder, "model")
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    prompts_file = os.path.join(folder, "prompts.txt")
-    with open(prompts_file, "w") as f:
-        f.writelines(f"{a} + {b} =\n" for a in range(10) for b in range(10))
-    return model_dir, prompts_file
+    sums = [f"{a} + {b} =\n" for a in range(10) for b in range(10)]
+    evaluated = set(torch.randperm(100, generator=torch.Generator().manual_seed(0))[:20].tolist()) if held_out else ()
+    files = {}
+    for name, rows in (("prompts", [i for i in range(100) if i not in evaluated]), ("eval_prompts", sorted(evaluated))):
+        files[name] = os.path.join(folder, f"{name}.txt")
+        with open(files[name], "w") as f:
+            f.writelines(sums[i] for i in rows)
+    return model_dir, files["prompts"], files["eval_prompts"] if held_out else None
 
 
 # ====== Systems: what lets the loop above run on many devices, with large vocabularies, and survive a stop ============
@@ -1536,8 +1602,8 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log):
     """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
-    and drop the lines of later updates from metrics.jsonl (no duplicate, no gap). -> (first update to run, the
-    non-finite streak, β)."""
+    and drop the lines of later updates from metrics.jsonl and samples.jsonl (no duplicate, no gap). -> (first update
+    to run, the non-finite streak, β)."""
     if not args.resume:
         return 0, 0, args.kl_coef
     metrics_path, auto = os.path.join(output_dir, "metrics.jsonl"), args.resume == "auto"
@@ -1560,12 +1626,13 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log):
     if all_ranks_sum(torch.tensor([start_update], device=rt.device)).item() != start_update * rt.world_size:
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
              "is --output_dir on a filesystem every node sees?")
-    if rt.rank == 0 and os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["update"] <= start_update]
-        with open(metrics_path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(metrics_path + ".tmp", metrics_path)
+    for path in (metrics_path, os.path.join(output_dir, "samples.jsonl")) if rt.rank == 0 else ():
+        if os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["update"] <= start_update]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
     return start_update, bad_updates, kl_coef
 
 
@@ -1636,6 +1703,7 @@ class Logger:
     def __init__(self, args, output_dir, sizes, rt, num_prompts, models):
         self.args, self.sizes, self.rt, self.last, self.first_update = args, sizes, rt, None, None
         self.path, n, self.wandb = os.path.join(output_dir, "metrics.jsonl"), args.num_sample_generations, None
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
         self.sample_every = max(1, sizes.num_updates // n) if n else 0
         if args.track and rt.rank == 0:  # check_inputs found it importable
             import wandb
@@ -1662,13 +1730,19 @@ class Logger:
              ("clipfrac", "policy/clipfrac_avg", ".3f"), ("vloss", "loss/value_avg", ".4f"),
              ("ev", "val/explained_variance", ".2f"), ("len", "val/mean_response_length", ".1f")]
 
-    def print(self, *lines, file=sys.stdout):
-        if self.rt.rank == 0:
-            print(*lines, file=file, flush=True)
+    def evaluates(self, update):
+        """Evaluate after update (0-based) num_sample_generations times over the run, and after the last one."""
+        update += 1
+        return update == self.sizes.num_updates or bool(self.sample_every) and (update - 1) % self.sample_every == 0
 
-    def update(self, update, lr, metrics, token_counts, clock, batch, prompts, rows):
+    def print(self, *lines, file=None):
+        if self.rt.rank == 0:
+            print(*lines, file=file or sys.stdout, flush=True)  # sys.stdout now, not at import
+
+    def update(self, update, lr, metrics, token_counts, clock, batch, prompts, rows, samples=()):
         """One update's metrics with its times and memory into metrics.jsonl; its line, with the time so far and the
-        time left (from this run's updates), and sometimes samples on stdout."""
+        time left (from this run's updates), and sometimes samples on stdout; the evaluation's samples (rank 0's) into
+        samples.jsonl, a few on stdout (and a wandb Table)."""
         t, num_updates, update, nan = clock.laps, self.sizes.num_updates, update + 1, float("nan")
         self.first_update = update - 1 if self.first_update is None else self.first_update
         elapsed = time.time() - self.start_time
@@ -1686,8 +1760,12 @@ class Logger:
         if self.rt.rank == 0:
             with open(self.path, "a") as f:  # one whole line per update, written when the update is done
                 f.write(json.dumps(m) + "\n")
+            if samples:
+                with open(self.samples_path, "a") as f:
+                    f.writelines(json.dumps(sample) + "\n" for sample in samples)
             if self.wandb:
-                self.wandb.log(m, step=update)
+                table = samples and self.wandb.Table(columns=list(samples[0]), data=[list(x.values()) for x in samples])
+                self.wandb.log({**m, **({"eval/samples": table} if samples else {})}, step=update)
         success = f"success {m['objective/success_rate']:4.0%}  " if "objective/success_rate" in m else ""
         hms = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
         shown = [(name, key, fmt) for name, key, fmt in self.SHOWN if key not in self.absent]
@@ -1698,6 +1776,12 @@ class Logger:
         if self.sample_every and ((update - 1) % self.sample_every == 0 or update == num_updates):
             for r, c, s in list(zip(rows, batch["completions"], batch["scores"].tolist()))[:3]:
                 self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
+        if "eval/score" in m:
+            success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
+            self.print(f"  eval {success}score {m['eval/score']:.3f}  kl {m.get('eval/kl', nan):.3f}  "
+                       f"len {m['eval/response_length']:.1f}  (held-out, T = {self.args.eval_temperature:g})")
+            for sample in samples[:3]:
+                self.print(f"    {sample['prompt']!r} -> {sample['completion']!r}  score {sample['score']:.2f}")
 
     def finish(self, message):
         self.print(message)

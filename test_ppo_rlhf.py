@@ -107,6 +107,11 @@ def run_args(tiny, tmp_path, **overrides):
     return P.Args(**kwargs)
 
 
+def read_lines(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -936,12 +941,87 @@ def test_the_value_free_estimators_wire_their_advantages(tiny, tmp_path, monkeyp
         assert metrics[-1]["objective/kl_coef"] != kl_coef
 
 
-def test_builtin_task_learns(tmp_path):
+TRAINING_KEYS = lambda m: {k: v for k, v in DETERMINISTIC_KEYS(m).items() if not k.startswith("eval/")}  # noqa: E731
+
+
+def test_evaluation_leaves_training_bit_identical(tiny, tmp_path):
+    """Evaluation at T = 0.7 (its own random stream) 3 times over the run: every training key of every update and the
+    final weights are those of a run without it; samples.jsonl holds each evaluation's prompts."""
+    common = dict(reward_model_path=None, reward_fn=f"{__file__}:count_w1", total_episodes=32, num_sample_generations=2,
+                  eval_temperature=0.7)
+    with_eval = run_args(tiny, tmp_path / "a", eval_dataset=tiny["txt"], **common)
+    without = run_args(tiny, tmp_path / "b", eval_dataset=None, **common)
+    P.main(with_eval), P.main(without)
+    a, b = read_metrics(with_eval.output_dir), read_metrics(without.output_dir)
+    assert [TRAINING_KEYS(m) for m in a] == [TRAINING_KEYS(m) for m in b] == [DETERMINISTIC_KEYS(m) for m in b]
+    assert [m["update"] for m in a if "eval/score" in m] == [1, 3, 4]  # every 2nd update from the first, and the last
+    samples = read_lines(os.path.join(with_eval.output_dir, "samples.jsonl"))
+    n = len([line for line in open(tiny["txt"]) if line.strip()])
+    assert n > 1 and [x["update"] for x in samples] == [u for u in (1, 3, 4) for _ in range(n)]  # every prompt
+    assert not os.path.exists(os.path.join(without.output_dir, "samples.jsonl"))
+    wa, wb = final_weights(with_eval.output_dir), final_weights(without.output_dir)
+    assert all(torch.equal(wa[n][k], wb[n][k]) for n in wa for k in wa[n])
+
+
+def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path):
+    """learning rate 0 keeps the policy at its start; the reference is another model. Greedy answers by a naive loop
+    (a whole forward per token, argmax), their count_w1 scores, and the exact KL Σ_t Σ_v p·log(p/q) by full softmax
+    give eval/score, eval/kl and eval/response_length; samples.jsonl holds every prompt's answer."""
+    reference = loaded(tiny, "gpt2")
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.05)
+    reference.save_pretrained(str(tmp_path / "ref"))
+    AutoTokenizer.from_pretrained(tiny["gpt2"]).save_pretrained(str(tmp_path / "ref"))
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:count_w1", learning_rate=0.0,
+                    ref_model_path=str(tmp_path / "ref"), eval_dataset=tiny["txt"], total_episodes=8, stop_token_id=5,
+                    temperature=0.8)
+    P.main(args)
+    m = read_metrics(args.output_dir)[-1]
+    policy, tokenizer = loaded(tiny, "gpt2"), AutoTokenizer.from_pretrained(tiny["gpt2"])
+    prompts = [line.strip() for line in open(tiny["txt"]) if line.strip()]
+    scores, kls, lengths, answers = [], [], [], []
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        for _ in range(6):
+            with torch.no_grad():
+                ids.append(policy(torch.tensor([ids])).logits[0, -1].argmax().item())
+            if ids[-1] == 5:
+                break
+        n, x = len(ids) - len(tokenizer(prompt)["input_ids"]), torch.tensor([ids])
+        with torch.no_grad():
+            logp = (policy(x).logits[0, -n - 1 : -1] / 0.8).double().log_softmax(-1)
+            logq = (reference(x).logits[0, -n - 1 : -1] / 0.8).double().log_softmax(-1)
+        kls.append((logp.exp() * (logp - logq)).sum().item())
+        answers.append(tokenizer.decode(ids[-n:], skip_special_tokens=True))
+        lengths.append(n)
+    scores = count_w1(prompts, answers)
+    assert m["eval/score"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
+    assert m["eval/kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-4) and m["eval/kl"] > 1e-3
+    assert m["eval/response_length"] == pytest.approx(sum(lengths) / len(lengths))
+    samples = read_lines(os.path.join(args.output_dir, "samples.jsonl"))
+    assert [(x["prompt"], x["completion"], x["score"]) for x in samples] == list(zip(prompts, answers, scores))
+
+
+def test_builtin_task_learns(tmp_path, capfd):
+    """It trains on 80 sums and evaluates on the 20 others, after the last update (num_sample_generations 0)."""
     args = P.Args(output_dir=str(tmp_path / "builtin"), total_episodes=128 * 150, num_sample_generations=0)
     P.main(args)
-    success = [m["objective/success_rate"] for m in read_metrics(args.output_dir)]
+    metrics = read_metrics(args.output_dir)
+    success = [m["objective/success_rate"] for m in metrics]
     first, last = sum(success[:10]) / 10, sum(success[-10:]) / 10
     assert first < 0.1 and last > first + 0.15, (first, last)
+    assert "80 prompts" in capfd.readouterr().out.splitlines()[0] and "eval/success_rate" in metrics[-1]
+    _, trained, evaluated = P.build_addition_task(str(tmp_path / "task"), 1)
+    trained, evaluated = ({line.strip() for line in open(f)} for f in (trained, evaluated))
+    assert {x["prompt"] for x in read_lines(os.path.join(args.output_dir, "samples.jsonl"))} == evaluated
+    assert len(evaluated) == 20 and len(trained) == 80 and trained.isdisjoint(evaluated)
+
+
+def test_the_built_in_task_without_evaluation_trains_on_all_100_sums(tmp_path, capfd):
+    P.main(P.Args(output_dir=str(tmp_path / "run"), total_episodes=128, eval_dataset=None))
+    assert "100 prompts" in capfd.readouterr().out.splitlines()[0]
+    assert not any(k.startswith("eval/") for k in read_metrics(tmp_path / "run")[0])
 
 
 def test_tracking_sends_the_metrics_to_wandb(tiny, tmp_path, monkeypatch):
@@ -966,7 +1046,7 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "save_total_limit": -1, "num_sample_generations": -1, "gamma": 1.5, "lam": -0.01, "target_kl": 0.0,
                 "stop_token_id": -1, "missing_eos_penalty": float("nan"), "num_generations": 0,
                 "adaptive_kl_horizon": 0, "adaptive_kl_target": 0.0, "cliprange_high": -0.1, "dual_clip": 1.0,
-                "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0}
+                "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0, "eval_temperature": -0.5}
 
 
 def file_case(case, tiny, tmp_path):
@@ -1016,6 +1096,7 @@ def file_case(case, tiny, tmp_path):
         "a reference model without KL": (dict(ref_model_path=tiny["gpt2"], kl_coef=0.0), "--ref_model_path"),
         "an adaptive KL of zero": (dict(adaptive_kl_target=1.0, kl_coef=0.0), "--kl_coef"),
         "LoRA without peft": (dict(lora_r=4), "--lora_r"),
+        "missing eval prompts": (dict(eval_dataset="/no/such/eval.txt"), "--eval_dataset"),
         "a reference model with LoRA": (dict(lora_r=4, ref_model_path=tiny["gpt2"]), "--ref_model_path"),
         "merging without LoRA": (dict(merge_lora=True), "--merge_lora"),
     }[case]
@@ -1029,7 +1110,7 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "micro-batches do not divide", "fp16 with fsdp", "tracking without wandb",
               "groups do not divide the batch", "a group baseline with one response per prompt",
               "a value model without GAE", "a reference model without KL", "an adaptive KL of zero",
-              "LoRA without peft", "a reference model with LoRA", "merging without LoRA"]
+              "LoRA without peft", "a reference model with LoRA", "merging without LoRA", "missing eval prompts"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
@@ -1145,7 +1226,7 @@ def cli_run(tiny, output_dir, *extra):
            "--dataset", tiny["prompts"], "--output_dir", output_dir, "--total_episodes", "96",
            "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
            "--response_length", "6", "--learning_rate", "1e-3", "--num_sample_generations", "0", "--save_every", "1",
-           *extra]
+           "--eval_dataset", tiny["txt"], *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
 
@@ -1174,7 +1255,8 @@ def straight(tiny, tmp_path_factory):
 
 
 VALUE_FREE = ("--advantage_estimator", "grpo", "--num_generations", "2", "--kl_in", "loss", "--adaptive_kl_target",
-              "0.5", "--adaptive_kl_horizon", "50")  # no value model; β changes every update, and is checkpointed
+              "0.5", "--adaptive_kl_horizon", "50", "--num_sample_generations", "12", "--eval_temperature", "1")
+# no value model; β changes every update, and is checkpointed; held-out evaluation after every update (samples.jsonl)
 
 
 LORA = ("--lora_r", "4", "--learning_rate", "1e-2")  # the checkpoint holds the adapters and the value head only
@@ -1203,6 +1285,9 @@ def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig, flags, straig
     assert len({m["objective/kl_coef"] for m in a}) == (12 if flags == VALUE_FREE else 1)
     assert [m["update"] for m in b] == list(range(1, 13))  # one line per update: no duplicate, no gap
     assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b]
+    samples = [read_lines(os.path.join(run, "samples.jsonl")) for run in (straight(*flags), killed)]
+    n = len([line for line in open(tiny["txt"]) if line.strip()])
+    assert samples[0] == samples[1] and len(samples[0]) == n * (12 if flags == VALUE_FREE else 1)
     wa, wb = final_weights(straight(*flags)), final_weights(killed)
     assert list(wa) == (["policy"] if flags == VALUE_FREE else ["policy", "value_model"])
     for name in wa:
@@ -1345,11 +1430,25 @@ def test_torchrun_lora_under_fsdp(tiny, tmp_path):
 
 @needs_gloo
 def test_torchrun_builtin_task(tmp_path):
+    """The built-in task under FSDP on 2 ranks, with its held-out evaluation split 10 + 10 over the ranks: the
+    evaluation after the last update equals a one-process greedy evaluation of the saved policy."""
     out = str(tmp_path / "builtin")
     result = torchrun("--distributed", "fsdp", "--output_dir", out, "--total_episodes", "768",
                       "--num_sample_generations", "0")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [m["episode"] for m in read_metrics(out)] == [256, 512, 768]  # 2 ranks x 128 prompts per update
+    metrics = read_metrics(out)
+    assert [m["episode"] for m in metrics] == [256, 512, 768]  # 2 ranks x 128 prompts per update
+    assert "eval/score" in metrics[-1] and all("eval/score" not in m for m in metrics[:-1])  # after the last update
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, "policy"))
+    eval_file = P.build_addition_task(str(tmp_path / "task"), 1)[2]
+    models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(os.path.join(out, "policy")), ref_policy=None,
+                             value_model=None, reward_model=None, reward_tokenizer=None, reward_fn=P.addition_reward,
+                             tokenizer=tokenizer, stop_token_id=tokenizer.eos_token_id, policy_head=None, ref_head=None)
+    args = P.Args(response_length=2)
+    alone, samples = P.evaluate(models, P.load_prompts(eval_file, args, tokenizer, None), 2, args, P.Runtime())
+    assert len(samples) == 20 and len(read_lines(os.path.join(out, "samples.jsonl"))) == 10  # rank 0's half
+    for key in ("eval/score", "eval/success_rate", "eval/response_length"):
+        assert metrics[-1][key] == pytest.approx(alone[key], abs=1e-6), key
 
 
 @needs_gloo
