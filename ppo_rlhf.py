@@ -124,6 +124,18 @@ class Args:
     """end responses at this token id instead"""
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of responses that contain no EOS"""
+    score_scaling: Literal["none", "running_std"] = "none"
+    """running_std: divide each score by the running standard deviation of all scores so far (over all devices; the
+    mean is not subtracted) (Zheng et al. 2023, "Secrets of RLHF", PPO-max)"""
+    score_clip: Optional[float] = None
+    """clip the (scaled) score to [−c, c]"""
+    length_penalty: float = 0.0
+    """λ: score −= λ·(response tokens)"""
+    overlong_buffer: int = 0
+    """L: DAPO's soft overlong penalty over the last L tokens of --response_length: score −= p·(len − (max − L))/L
+    for len > max − L (Yu et al. 2025); 0: off"""
+    overlong_penalty: float = 1.0
+    """p, the overlong penalty at --response_length"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation and scoring forward during the rollout"""
 
@@ -236,12 +248,15 @@ FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradi
                "> 0": (lambda v: v > 0, ["temperature", "cliprange", "cliprange_value", "max_grad_norm",
                                         "dist_timeout_s", "lora_alpha"]),
                ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
-                                          "num_sample_generations", "lora_r", "eval_temperature"]),
+                                          "num_sample_generations", "lora_r", "eval_temperature",
+                                          "overlong_buffer"]),
                "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
-               "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high"]),
+               "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
+                                                                 "score_clip"]),
                "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
                "a token id >= 0 (or unset)": (lambda v: v is None or v >= 0, ["stop_token_id"]),
-               "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef"])}
+               "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef",
+                                                               "length_penalty", "overlong_penalty"])}
 
 
 def fail(message):
@@ -277,6 +292,8 @@ def check_args(args):
         fail("--ref_model_path is unused with --lora_r: the reference is the policy with its adapter off")
     if (args.merge_lora or args.lora_target_modules) and not args.lora_r:
         fail("--merge_lora and --lora_target_modules need --lora_r > 0")
+    if args.overlong_buffer > args.response_length:
+        fail(f"--overlong_buffer {args.overlong_buffer} is longer than --response_length {args.response_length}")
     if args.adaptive_kl_target is not None and args.kl_coef == 0:
         fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
     local_mini_batch_size = local_batch_size // args.num_mini_batches
@@ -344,6 +361,32 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator):
     if kl_estimator == "k2":
         return 0.5 * log_ratio**2
     return -log_ratio if kl_estimator == "k1" else log_ratio.exp() - 1 - log_ratio
+
+
+def shaped_scores(scores, lengths, std, args):
+    """The sequence score shaped as the flags say, in this order: / std (--score_scaling running_std: the running
+    standard deviation, see running_moments), clipped to ±--score_clip, − λ·length, − DAPO's overlong penalty
+    p·(len − (max − L))/L over the last L = --overlong_buffer tokens of max = --response_length. (B,) -> (B,)."""
+    if args.score_scaling == "running_std":
+        scores = scores / std
+    if args.score_clip is not None:
+        scores = scores.clamp(-args.score_clip, args.score_clip)
+    if args.length_penalty:
+        scores = scores - args.length_penalty * lengths
+    if args.overlong_buffer:
+        expected = args.response_length - args.overlong_buffer
+        scores = scores - args.overlong_penalty * (lengths - expected).clamp(min=0) / args.overlong_buffer
+    return scores
+
+
+def running_moments(moments, mean, var, n):
+    """Merge a batch's mean and unbiased variance of n values into the running (count, mean, M2) (Chan et al. 1979).
+    -> the new moments and the running standard deviation (1 until there are two values)."""
+    count, running_mean, m2 = moments
+    delta, total = mean - running_mean, count + n
+    m2 = m2 + var * (n - 1) + delta**2 * count * n / total
+    std = math.sqrt(m2 / (total - 1)) if total > 1 and m2 > 0 else 1.0
+    return (total, running_mean + delta * n / total, m2), std
 
 
 def baselined_scores(scores, num_generations, advantage_estimator):
@@ -792,7 +835,8 @@ def main(args: Args):
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
     log = Logger(args, output_dir, sizes, rt, len(prompts.texts), models)
-    start_update, bad_updates, kl_coef = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log)
+    start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log)
+    kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     for update in range(start_update, sizes.num_updates):
         clock = Clock()
         # each rank takes its own slice of the update's global batch, and its own seed (ints hash to themselves,
@@ -814,6 +858,12 @@ def main(args: Args):
         scores = batch["raw_scores"]  # (B,)
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~batch["contains_eos"]).float()
+        std = 1.0
+        if args.score_scaling == "running_std":  # moments of the global batch (all ranks)
+            mean, var = global_mean_var(scores, torch.ones_like(scores, dtype=torch.bool))
+            progress["score_moments"], std = running_moments(progress["score_moments"], mean.item(), var.item(),
+                                                             sizes.batch_size)
+        scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # scaled, clipped, length penalties
         clock.lap("score")
 
         # 3. KL and rewards: r_t = −β·KL_t on every token (unless the KL is a loss term), plus the score (minus its
@@ -839,7 +889,7 @@ def main(args: Args):
         trained = ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt)
         lr = lr_scheduler.get_last_lr()[0]
         lr_scheduler.step()
-        bad_updates = count_bad_updates(bad_updates, trained.stop_reason, update, log)  # three in a row end the run
+        progress["bad_updates"] = count_bad_updates(progress["bad_updates"], trained.stop_reason, update, log)
         clock.lap("train")
 
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
@@ -855,8 +905,8 @@ def main(args: Args):
                                        args.adaptive_kl_horizon)
         stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # a signal on any rank
         if stop or (args.save_every and (update + 1) % args.save_every == 0):
-            saved = save_checkpoint(output_dir, update + 1, dict(bad_updates=bad_updates, kl_coef=kl_coef), model,
-                                    optimizer, lr_scheduler, scaler, args, rt)
+            saved = save_checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, model, optimizer,
+                                    lr_scheduler, scaler, args, rt)
             if stop:
                 log.print(f"saved {saved}; continue with the same flags plus --resume auto")
                 return log.last
@@ -1581,7 +1631,7 @@ def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler
 
 def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
     """Restore what save_checkpoint wrote, on every rank (weights_only loading: nothing in a checkpoint runs code).
-    -> the update it was written after, the non-finite streak then and β."""
+    -> the update it was written after, and the loop's progress then (see no_progress)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
@@ -1597,23 +1647,29 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
-    return state["update"], state["bad_updates"], state.get("kl_coef", args.kl_coef)  # none: a fixed β
+    return state["update"], {key: state.get(key, default) for key, default in no_progress(args).items()}
+
+
+def no_progress(args):
+    """The loop's state at the start besides the weights: the non-finite streak, β (the adaptive KL controller moves
+    it), the running score moments (count, mean, M2) of --score_scaling. A checkpoint missing one had this value."""
+    return dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0))
 
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log):
     """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
     and drop the lines of later updates from metrics.jsonl and samples.jsonl (no duplicate, no gap). -> (first update
-    to run, the non-finite streak, β)."""
+    to run, the loop's progress: see no_progress)."""
     if not args.resume:
-        return 0, 0, args.kl_coef
+        return 0, no_progress(args)
     metrics_path, auto = os.path.join(output_dir, "metrics.jsonl"), args.resume == "auto"
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
     candidates = from_rank_0((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
                              if auto else [args.resume])
-    start_update, bad_updates, kl_coef = 0, 0, args.kl_coef
+    start_update, progress = 0, no_progress(args)
     for i, path in enumerate(candidates):
         try:
-            start_update, bad_updates, kl_coef = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt)
+            start_update, progress = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt)
             log.print(f"resumed from {path} after update {start_update}")
             break
         except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
@@ -1633,7 +1689,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log):
             with open(path + ".tmp", "w") as f:
                 f.writelines(kept)
             os.replace(path + ".tmp", path)
-    return start_update, bad_updates, kl_coef
+    return start_update, progress
 
 
 STOP_SIGNALS = []  # (signal, time) appended by request_stop; main() checks it after every update
@@ -1673,6 +1729,7 @@ def update_metrics(batch, trained, models, args, rt):
         "objective/non_score_reward": (-beta * kl).sum(1).mean(),
         "objective/rlhf_reward": (scores - beta * kl.sum(1)).mean(),
         "objective/scores": scores.mean(),
+        "objective/raw_scores": batch["raw_scores"].mean(),
         "val/mean_response_length": batch["lengths"].float().mean(),
         **{key: torch.stack(values).mean() for key, values in trained.stats.items()},
         "policy/epochs": trained.optimizer_steps / args.num_mini_batches,

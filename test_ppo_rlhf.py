@@ -1003,6 +1003,47 @@ def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path):
     assert [(x["prompt"], x["completion"], x["score"]) for x in samples] == list(zip(prompts, answers, scores))
 
 
+def test_score_shaping_closed_forms():
+    scores, lengths = torch.tensor([2.0, -6.0, 0.5, 1.0]), torch.tensor([1.0, 4.0, 6.0, 8.0])
+    args = P.Args(response_length=8, score_scaling="running_std", score_clip=1.5, length_penalty=0.1,
+                  overlong_buffer=4, overlong_penalty=0.5)
+    # / 2, clip to ±1.5, − 0.1·len, − 0.5·(len − 4)/4 beyond 4 tokens
+    expected = [1.0 - 0.1, -1.5 - 0.4, 0.25 - 0.6 - 0.5 * 2 / 4, 0.5 - 0.8 - 0.5 * 4 / 4]
+    assert P.shaped_scores(scores, lengths, 2.0, args).tolist() == pytest.approx(expected)
+    assert torch.equal(P.shaped_scores(scores, lengths, 2.0, P.Args()), scores)  # every term off by default
+    # the running moments of batches merged one by one are those of all the values together
+    gen = torch.Generator().manual_seed(10)
+    batches = [torch.randn(n, generator=gen, dtype=torch.float64) * 3 + 1 for n in (5, 8, 3)]
+    moments, seen = (0, 0.0, 0.0), []
+    for b in batches:
+        seen.append(b)
+        moments, std = P.running_moments(moments, b.mean().item(), b.var().item(), len(b))
+        everything = torch.cat(seen)
+        assert std == pytest.approx(everything.std().item()) and moments[1] == pytest.approx(everything.mean())
+    assert P.running_moments((0, 0.0, 0.0), 4.0, 0.0, 1)[1] == 1.0  # one value: no spread yet, no scaling
+
+
+def test_the_loop_shapes_the_scores_as_its_flags_say(tiny, tmp_path, monkeypatch):
+    """The score main() hands to the update: raw − EOS penalty, / the std of every raw score so far (all updates),
+    clipped, − λ·length, − the overlong penalty; raw and shaped means logged."""
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:count_w1", total_episodes=24,
+                    stop_token_id=5, missing_eos_penalty=0.3, score_scaling="running_std", score_clip=2.0,
+                    length_penalty=0.05, overlong_buffer=2, overlong_penalty=0.4)
+    P.main(args)
+    seen = []
+    for (batch, *_), m in zip(calls, read_metrics(args.output_dir)):
+        raw, lengths = batch["raw_scores"].double(), batch["lengths"].double()
+        assert m["objective/raw_scores"] == pytest.approx(raw.mean().item(), abs=1e-6)
+        penalised = raw - 0.3 * (~batch["contains_eos"]).double()
+        seen.append(penalised)
+        std = torch.cat(seen).std() if torch.cat(seen).std() > 0 else 1.0
+        expected = (penalised / std).clamp(-2, 2) - 0.05 * lengths - 0.4 * (lengths - 4).clamp(min=0) / 2
+        assert torch.allclose(batch["scores"].double(), expected, atol=1e-5)
+        assert m["objective/scores"] == pytest.approx(expected.mean().item(), abs=1e-5)
+    assert any((c[0]["lengths"] > 4).any() for c in calls) and torch.cat(seen).std() > 0  # the terms had work
+
+
 def test_builtin_task_learns(tmp_path, capfd):
     """It trains on 80 sums and evaluates on the 20 others, after the last update (num_sample_generations 0)."""
     args = P.Args(output_dir=str(tmp_path / "builtin"), total_episodes=128 * 150, num_sample_generations=0)
@@ -1046,7 +1087,9 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "save_total_limit": -1, "num_sample_generations": -1, "gamma": 1.5, "lam": -0.01, "target_kl": 0.0,
                 "stop_token_id": -1, "missing_eos_penalty": float("nan"), "num_generations": 0,
                 "adaptive_kl_horizon": 0, "adaptive_kl_target": 0.0, "cliprange_high": -0.1, "dual_clip": 1.0,
-                "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0, "eval_temperature": -0.5}
+                "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0, "eval_temperature": -0.5,
+                "score_clip": 0.0, "overlong_buffer": -1, "length_penalty": float("nan"),
+                "overlong_penalty": float("inf")}
 
 
 def file_case(case, tiny, tmp_path):
@@ -1097,6 +1140,7 @@ def file_case(case, tiny, tmp_path):
         "an adaptive KL of zero": (dict(adaptive_kl_target=1.0, kl_coef=0.0), "--kl_coef"),
         "LoRA without peft": (dict(lora_r=4), "--lora_r"),
         "missing eval prompts": (dict(eval_dataset="/no/such/eval.txt"), "--eval_dataset"),
+        "an overlong buffer past the response": (dict(overlong_buffer=7), "--overlong_buffer"),
         "a reference model with LoRA": (dict(lora_r=4, ref_model_path=tiny["gpt2"]), "--ref_model_path"),
         "merging without LoRA": (dict(merge_lora=True), "--merge_lora"),
     }[case]
@@ -1110,7 +1154,8 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "micro-batches do not divide", "fp16 with fsdp", "tracking without wandb",
               "groups do not divide the batch", "a group baseline with one response per prompt",
               "a value model without GAE", "a reference model without KL", "an adaptive KL of zero",
-              "LoRA without peft", "a reference model with LoRA", "merging without LoRA", "missing eval prompts"]
+              "LoRA without peft", "a reference model with LoRA", "merging without LoRA", "missing eval prompts",
+              "an overlong buffer past the response"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
@@ -1259,7 +1304,8 @@ VALUE_FREE = ("--advantage_estimator", "grpo", "--num_generations", "2", "--kl_i
 # no value model; β changes every update, and is checkpointed; held-out evaluation after every update (samples.jsonl)
 
 
-LORA = ("--lora_r", "4", "--learning_rate", "1e-2")  # the checkpoint holds the adapters and the value head only
+LORA = ("--lora_r", "4", "--learning_rate", "1e-2",  # the checkpoint holds the adapters and the value head only
+        "--score_scaling", "running_std")  # and the running moments of the scores
 
 
 @pytest.mark.parametrize("sig,flags", [(signal.SIGKILL, ()), (signal.SIGTERM, ()), (signal.SIGKILL, VALUE_FREE),
@@ -1449,6 +1495,11 @@ def test_torchrun_builtin_task(tmp_path):
     assert len(samples) == 20 and len(read_lines(os.path.join(out, "samples.jsonl"))) == 10  # rank 0's half
     for key in ("eval/score", "eval/success_rate", "eval/response_length"):
         assert metrics[-1][key] == pytest.approx(alone[key], abs=1e-6), key
+    args, prompts = P.Args(response_length=2, eval_temperature=1.0), P.load_prompts(eval_file, args, tokenizer, None)
+    state = torch.get_rng_state()  # sampling at T = 1 uses a random stream of its own, seeded from (seed, update)
+    first, second = (P.evaluate(models, prompts, 2, args, P.Runtime())[1] for _ in range(2))
+    assert torch.equal(torch.get_rng_state(), state) and first == second
+    assert first != P.evaluate(models, prompts, 3, args, P.Runtime())[1]
 
 
 @needs_gloo
