@@ -1005,10 +1005,10 @@ def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path):
 
 def test_score_shaping_closed_forms():
     scores, lengths = torch.tensor([2.0, -6.0, 0.5, 1.0]), torch.tensor([1.0, 4.0, 6.0, 8.0])
-    args = P.Args(response_length=8, score_scaling="running_std", score_clip=1.5, length_penalty=0.1,
+    args = P.Args(response_length=10, score_scaling="running_std", score_clip=1.5, length_penalty=0.1,
                   overlong_buffer=4, overlong_penalty=0.5)
-    # / 2, clip to ±1.5, − 0.1·len, − 0.5·(len − 4)/4 beyond 4 tokens
-    expected = [1.0 - 0.1, -1.5 - 0.4, 0.25 - 0.6 - 0.5 * 2 / 4, 0.5 - 0.8 - 0.5 * 4 / 4]
+    # / 2, clip to ±1.5, − 0.1·len, − 0.5·(len − 6)/4 beyond 10 − 4 = 6 tokens (of --response_length, not the longest)
+    expected = [1.0 - 0.1, -1.5 - 0.4, 0.25 - 0.6, 0.5 - 0.8 - 0.5 * 2 / 4]
     assert P.shaped_scores(scores, lengths, 2.0, args).tolist() == pytest.approx(expected)
     assert torch.equal(P.shaped_scores(scores, lengths, 2.0, P.Args()), scores)  # every term off by default
     # the running moments of batches merged one by one are those of all the values together
@@ -1353,7 +1353,8 @@ def test_a_signal_delivered_twice_is_one_stop_request_but_a_later_one_exits(monk
 
 
 def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
-    args = run_args(tiny, tmp_path, total_episodes=24, save_every=1)  # 3 updates; checkpoints 2 and 3 are kept
+    args = run_args(tiny, tmp_path, total_episodes=24, save_every=1,  # 3 updates; checkpoints 2 and 3 are kept
+                    eval_dataset=tiny["txt"], num_sample_generations=3)  # an evaluation after each update
     P.main(args)
     newest = os.path.join(args.output_dir, "checkpoint-000003")
     checkpoints = sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint"))
@@ -1367,6 +1368,8 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
     P.main(dataclasses.replace(args, resume="auto"))
     assert "skipping damaged checkpoint" in capsys.readouterr().err
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
+    samples = read_lines(os.path.join(args.output_dir, "samples.jsonl"))  # update 3's, once: cut back, then redone
+    assert [x["update"] for x in samples] == sorted(x["update"] for x in samples) and len(samples) == 3 * 3
     with pytest.raises(SystemExit, match="--learning_rate"):  # a checkpoint of another config is refused
         P.main(dataclasses.replace(args, resume="auto", learning_rate=5e-4))
 
