@@ -136,6 +136,8 @@ class Args:
     for len > max − L (Yu et al. 2025); 0: off"""
     overlong_penalty: float = 1.0
     """p, the overlong penalty at --response_length"""
+    mask_truncated_completions: bool = False
+    """leave responses cut off at --response_length before the stop token out of the loss (TRL GRPO's name)"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation and scoring forward during the rollout"""
 
@@ -317,8 +319,8 @@ def check_args(args):
 
 # ---------------------------------------------------------------------------------------------------------- math (pure)
 def masked_mean(x, mask):
-    """Σ x·m / Σ m over the real (mask=True) entries."""
-    return torch.where(mask, x, 0.0).sum() / mask.sum()
+    """Σ x·m / Σ m over the real (mask=True) entries; 0 if there are none."""
+    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 def masked_var(x, mask):
@@ -447,13 +449,14 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, cliprange_h
 def aggregate(x, mask, loss_agg, response_length):
     """A minibatch's loss from per-token terms x (B, T), as --loss_agg says: token_mean Σ x / Σ m; seq_mean_token_mean
     the mean over responses of Σ_t x / length; seq_mean_token_sum_norm Σ x / (B·response_length), a constant
-    denominator (Dr. GRPO: no length bias)."""
+    denominator (Dr. GRPO: no length bias). B counts the responses with a token in the loss (all but those that
+    --mask_truncated_completions leaves out); 0 if there are none."""
     if loss_agg == "token_mean":
         return masked_mean(x, mask)
-    per_response = torch.where(mask, x, 0.0).sum(-1)  # (B,)
+    per_response, responses = torch.where(mask, x, 0.0).sum(-1), mask.any(-1).sum().clamp(min=1)  # (B,), B
     if loss_agg == "seq_mean_token_mean":
-        return (per_response / mask.sum(-1)).mean()
-    return per_response.sum() / (len(x) * response_length)
+        return (per_response / mask.sum(-1).clamp(min=1)).sum() / responses
+    return per_response.sum() / (responses * response_length)
 
 
 def adaptive_kl_coef(kl_coef, kl, target, batch_size, horizon):
@@ -576,7 +579,8 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
 def rollout(models, queries, query_mask, args, rt, temperature=None, generator=None):
     """Phase 1: sample a response to each query (B, P) with the current policy π_old, keeping log π_old of each
     sampled token. -> the batch: query_responses (B, P + R), attention_mask, response_mask (B, R; True = real token,
-    the stop token included), lengths and contains_eos (B,), logprobs (B, R; 0 on padding), context_length P.
+    the stop token included), lengths, contains_eos and truncated (B,; cut off before any stop token), logprobs (B, R;
+    0 on padding), context_length P.
     temperature and generator: the evaluation's (default: --temperature and the global random stream)."""
     chunk, pad, stop = args.local_rollout_forward_batch_size, models.tokenizer.pad_token_id, models.stop_token_id
     with rt.no_grad(), rt.autocast(), gathered(models.policy, rt.fsdp and args.rollout_unshard):
@@ -588,9 +592,11 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
     responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad) for r, _ in generated])
     lengths = response_lengths(responses, stop)
     response_mask = torch.arange(R, device=responses.device) < lengths[:, None]
+    truncated = ~((responses == stop) & response_mask).any(1) if stop is not None else lengths > 0  # stop not hit
     return dict(query_responses=torch.cat([queries, responses], 1), context_length=queries.shape[1],
                 attention_mask=torch.cat([query_mask, response_mask], 1), response_mask=response_mask,
-                lengths=lengths, contains_eos=((responses == models.tokenizer.eos_token_id) & response_mask).any(1),
+                lengths=lengths, truncated=truncated,
+                contains_eos=((responses == models.tokenizer.eos_token_id) & response_mask).any(1),
                 logprobs=torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated]))
 
 
@@ -709,17 +715,19 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
     stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
     for epoch in range(args.num_ppo_epochs):
         for mb_rows in torch.randperm(len(lengths), device=lengths.device).split(sizes.local_mini_batch_size):
-            # real response tokens and responses of the global minibatch
-            mb_tokens, mb_responses = all_ranks_sum(torch.stack([lengths[mb_rows].sum(),
-                                                                 lengths.new_tensor(len(mb_rows))]).float())
+            # real response tokens and responses of the global minibatch (in the loss: see --mask_truncated_completions)
+            loss_mask = batch["loss_mask"][mb_rows]
+            mb_tokens, mb_responses = all_ranks_sum(torch.stack([loss_mask.sum(), loss_mask.any(1).sum()]).float())
+            if mb_tokens == 0:  # every response of the minibatch is left out: no step (every rank agrees)
+                continue
             mb_approxkl, non_finite = [], torch.zeros((), device=lengths.device)
             micro_batches = mb_rows.split(sizes.micro_batch_size)
             for i, rows in enumerate(micro_batches):
                 L = lengths[rows].max().item()  # pay only for real tokens
-                mb = {k: batch[k][rows, :L] for k in ("response_mask", "logprobs", "ref_logprobs", "values",
-                                                      "advantages", "returns")}
+                mb = {k: batch[k][rows, :L] for k in ("logprobs", "ref_logprobs", "values", "advantages", "returns")}
+                mb["response_mask"] = batch["loss_mask"][rows, :L]  # the tokens in the loss
                 token_share = mb["response_mask"].sum() * rt.world_size / mb_tokens
-                response_share = len(rows) * rt.world_size / mb_responses
+                response_share = mb["response_mask"].any(1).sum() * rt.world_size / mb_responses
                 policy_share = token_share if args.loss_agg == "token_mean" else response_share
                 with gradient_sync(model, i == len(micro_batches) - 1):  # only after the minibatch's last
                     with rt.autocast():
@@ -881,8 +889,9 @@ def main(args: Args):
         advantages, returns = gae(rewards, batch["values"], mask, args.gamma, lam)
         if args.advantage_estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
             advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
+        loss_mask = mask & ~batch["truncated"][:, None] if args.mask_truncated_completions else mask
         batch.update(scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
-                     kl_coef=kl_coef, reward_kl_coef=reward_kl_coef)
+                     kl_coef=kl_coef, reward_kl_coef=reward_kl_coef, loss_mask=loss_mask)
 
         # 5. PPO epochs: num_ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each
         model.train()
@@ -1731,6 +1740,7 @@ def update_metrics(batch, trained, models, args, rt):
         "objective/scores": scores.mean(),
         "objective/raw_scores": batch["raw_scores"].mean(),
         "val/mean_response_length": batch["lengths"].float().mean(),
+        "val/truncated_frac": batch["truncated"].float().mean(),
         **{key: torch.stack(values).mean() for key, values in trained.stats.items()},
         "policy/epochs": trained.optimizer_steps / args.num_mini_batches,
     }

@@ -430,6 +430,11 @@ def test_loss_aggregation_on_ragged_lengths():
     assert P.aggregate(x, mask, "token_mean", 6) == pytest.approx((1 + 2 + 3 + 4 + 5 + 6 + 7 + 8) / 8)
     assert P.aggregate(x, mask, "seq_mean_token_mean", 6) == pytest.approx((6 / 3 + 4 / 1 + 26 / 4) / 3)
     assert P.aggregate(x, mask, "seq_mean_token_sum_norm", 6) == pytest.approx(36 / (3 * 6))  # response_length 6
+    mask[1] = False  # a response left out of the loss (--mask_truncated_completions) counts in no denominator
+    assert P.aggregate(x, mask, "seq_mean_token_mean", 6) == pytest.approx((6 / 3 + 26 / 4) / 2)
+    assert P.aggregate(x, mask, "seq_mean_token_sum_norm", 6) == pytest.approx(32 / (2 * 6))
+    assert all(P.aggregate(x, torch.zeros_like(mask), agg, 6) == 0 for agg in ("token_mean", "seq_mean_token_mean",
+                                                                              "seq_mean_token_sum_norm"))
 
 
 def test_group_baselines_closed_forms():
@@ -1590,7 +1595,8 @@ def fixed_rollout(tiny, tmp_path, batch_size):
         P.main(run_args(tiny, tmp_path, total_episodes=batch_size, per_device_train_batch_size=batch_size,
                         stop_token_id=5, seed=3))
     return {k: v for k, v in calls[0][0].items() if k in ("query_responses", "attention_mask", "context_length",
-            "response_mask", "lengths", "logprobs", "ref_logprobs", "values", "advantages", "returns", "kl_coef")}
+            "response_mask", "lengths", "logprobs", "ref_logprobs", "values", "advantages", "returns", "kl_coef",
+            "loss_mask", "truncated")}
 
 
 def one_update(tiny, batch, mode, gradient_accumulation_steps, **flags):
@@ -1919,3 +1925,40 @@ def test_lora_on_the_built_in_task_saves_the_base_beside_the_adapters(tmp_path):
         assert P.adapter_base(folder) == os.path.join(out, f"{name}_base")
         model = PeftModel.from_pretrained(cls.from_pretrained(P.adapter_base(folder)), folder)
         assert any(v.abs().max() > 0 for k, v in model.state_dict().items() if "lora_B" in k)  # trained adapters
+
+
+def test_truncated_completions_left_out_of_the_loss(tiny, tmp_path, monkeypatch):
+    """--mask_truncated_completions: responses cut off before the stop token get no weight in the loss (whatever their
+    advantages and returns, the update is the same), and a minibatch left with no token is skipped, not a NaN."""
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, total_episodes=8, per_device_train_batch_size=8, stop_token_id=5, seed=3,
+                    mask_truncated_completions=True)
+    P.main(args)
+    batch = calls[0][0]
+    responses, mask = batch["query_responses"][:, batch["context_length"]:], batch["response_mask"]
+    truncated = torch.tensor([5 not in row[:n] for row, n in zip(responses.tolist(), batch["lengths"].tolist())])
+    assert torch.equal(batch["truncated"], truncated) and 0 < truncated.sum() < len(truncated)  # some of each
+    assert torch.equal(batch["loss_mask"], mask & ~truncated[:, None])
+    assert read_metrics(args.output_dir)[0]["val/truncated_frac"] == pytest.approx(truncated.float().mean().item())
+
+    def update(batch):
+        model = P.PolicyAndValue(loaded(tiny, "gpt2"), loaded_value(tiny))
+        train_args = P.Args(per_device_train_batch_size=8, num_ppo_epochs=2, num_mini_batches=2)
+        torch.manual_seed(0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        trained = P.ppo_epochs(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batch, train_args,
+                               P.check_args(train_args), P.Runtime())
+        return model.state_dict(), trained
+
+    gen = torch.Generator().manual_seed(11)
+    noise = {k: torch.where(truncated[:, None], torch.randn(mask.shape, generator=gen) * 10, batch[k])
+             for k in ("advantages", "returns")}
+    masked, _ = update(batch)
+    assert all(torch.equal(masked[k], v) for k, v in update({**batch, **noise})[0].items())
+    unmasked = {**batch, "loss_mask": mask}
+    assert not all(torch.equal(update(unmasked)[0][k], v) for k, v in update({**unmasked, **noise})[0].items())
+    nothing = {**batch, "loss_mask": torch.zeros_like(mask)}
+    weights, trained = update(nothing)
+    initial = P.PolicyAndValue(loaded(tiny, "gpt2"), loaded_value(tiny)).state_dict()
+    assert trained.optimizer_steps == 0 and trained.stop_reason is None  # skipped, not a non-finite loss
+    assert all(torch.equal(weights[k], initial[k]) for k in weights)
