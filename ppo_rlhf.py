@@ -480,10 +480,15 @@ def forward_kwargs(input_ids, attention_mask):
     return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
 
 
+def base_model(model):
+    """The transformers model under a peft model (the adapters sit inside it), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def backbone(model):
-    """The decoder stack of a causal LM or sequence classifier. Under a peft model, that of its base model (the
-    adapters sit inside it): getattr(peft_model, base_model_prefix) can be the whole causal LM."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    """The decoder stack of a causal LM or sequence classifier; under a peft model, that of its base model:
+    getattr(peft_model, base_model_prefix) can be the whole causal LM."""
+    base = base_model(model)
     return getattr(base, base.base_model_prefix)
 
 
@@ -552,8 +557,8 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
     (greedy; its log-probs are those of T = 1). -> responses and log π_old(y_t|s_t), (B, L ≤ max_new_tokens), pad ids
     and 0 after a row's stop token. sync_ranks: a sharded policy's forward is a collective, so every rank steps until
     all are done. generator: the sampling's own random stream. Call under no_grad or inference_mode."""
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # a peft model passes kwargs on
-    cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    forward_signature = inspect.signature(base_model(policy).forward)  # a peft model's forward passes kwargs on
+    cache_kw = "cache" if "cache" in forward_signature.parameters else "past_key_values"
     cache = DynamicCache(config=policy.config)
     ids, mask = queries, query_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -614,8 +619,8 @@ def score(models, batch, prompts, rows, args, rt):
             rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # cut to the longest real response
             width = context_length + L
             ids, ids_mask = batch["query_responses"][rows_i, :width], batch["attention_mask"][rows_i, :width]
-            if models.ref_policy is not None:  # with LoRA: the policy's own weights, its adapter switched off
-                with models.ref_policy.disable_adapter() if args.lora_r else nullcontext():
+            if models.ref_policy is not None:
+                with reference_weights(models, args):
                     ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
                                                                  args.temperature, models.ref_head)[0]
             if models.value_model is not None:
@@ -640,6 +645,11 @@ def score(models, batch, prompts, rows, args, rt):
         ref_logprobs = logprobs
     return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
                 values=values, completions=completions, raw_scores=raw_scores)
+
+
+def reference_weights(models, args):
+    """Context for a forward of models.ref_policy: with LoRA it is the policy itself, with its adapter switched off."""
+    return models.ref_policy.disable_adapter() if args.lora_r else nullcontext()
 
 
 def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
@@ -697,7 +707,7 @@ def exact_kl(models, batch, args, rt):
         for i in range(0, len(ids), chunk):
             rows = slice(i, i + chunk)
             logp = forward(models.policy, ids[rows], ids_mask[rows], R).float().div(args.temperature).log_softmax(-1)
-            with models.ref_policy.disable_adapter() if args.lora_r else nullcontext():
+            with reference_weights(models, args):
                 ref = forward(models.ref_policy, ids[rows], ids_mask[rows], R).float().div(args.temperature)
             kl.append((logp.exp() * (logp - ref.log_softmax(-1))).sum(-1))
     return torch.where(mask, torch.cat(kl), 0.0).sum(1)
@@ -950,8 +960,9 @@ def load_pretrained(cls, path, flag, args, new_head=False, **kwargs):
     """A model with dropout off (it would make the training forward disagree with the rollout's π_old). Weights the
     checkpoint lacks (or has in excess) get one warning line instead of transformers' load report; new_head: a new
     `score` head is expected (a value model started from a causal LM), and model.new_head says if it was made."""
-    if adapter_base(path):  # an adapter checkpoint (peft): its base model with the adapter merged in
-        model = load_pretrained(cls, adapter_base(path), flag, args, new_head, **kwargs)
+    base = adapter_base(path)
+    if base:  # an adapter checkpoint (peft): its base model with the adapter merged in
+        model = load_pretrained(cls, base, flag, args, new_head, **kwargs)
         peft = import_peft(f"--{flag} {path!r} (an adapter)")
         return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
     config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
@@ -1034,10 +1045,11 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     configs = {}
     for flag, path in (("model_name_or_path", model_path), ("ref_model_path", args.ref_model_path),
                        ("value_model_path", args.value_model_path)):
-        if path and adapter_base(path):  # an adapter checkpoint: peft, and its base's config
+        base = path and adapter_base(path)
+        if base:  # an adapter checkpoint: peft, and its base's config
             import_peft(f"--{flag} {path!r} (an adapter)")
         if path:
-            configs[flag] = from_pretrained(AutoConfig, adapter_base(path) or path, flag, args)
+            configs[flag] = from_pretrained(AutoConfig, base or path, flag, args)
     if args.reward_model_path:
         reward_config = from_pretrained(AutoConfig, args.reward_model_path, "reward_model_path", args)
         kind = (reward_config.architectures or [type(reward_config).__name__])[0]
@@ -1047,8 +1059,9 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
         if reward_config.num_labels != 1:
             fail(f"--reward_model_path {args.reward_model_path!r} is a {kind} with {reward_config.num_labels} "
                  "labels; a reward model has 1")
-    tokenizer_path = model_path if not adapter_base(model_path) or os.path.isfile(
-        os.path.join(model_path, "tokenizer_config.json")) else adapter_base(model_path)
+    base = adapter_base(model_path)
+    has_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
+    tokenizer_path = base if base and not has_tokenizer else model_path  # an adapter without a tokenizer: its base's
     tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args))
     context = getattr(configs["model_name_or_path"], "max_position_embeddings", None)
     prompts = load_prompts(dataset, args, tokenizer, context)
@@ -1095,11 +1108,15 @@ def load_models(args, model_path, inputs, rt):
     # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
     # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
     policy_head = None if rt.fsdp else output_layer(policy)
+    ref_head = None  # also for a sharded reference: its output layer is whole only inside its own forward
+    if ref_policy is policy:  # LoRA: the reference is the policy
+        ref_head = policy_head
+    elif ref_policy is not None and not (rt.fsdp and args.shard_frozen_models):
+        ref_head = output_layer(ref_policy)
     return SimpleNamespace(tokenizer=tokenizer, stop_token_id=stop_token_id, policy=policy, ref_policy=ref_policy,
                            value_model=value_model, reward_model=reward_model, value_source=value_source,
                            reward_tokenizer=reward_tokenizer, reward_fn=inputs.reward_fn, policy_head=policy_head,
-                           ref_head=policy_head if ref_policy is policy else None if ref_policy is None or rt.fsdp
-                           and args.shard_frozen_models else output_layer(ref_policy), base_paths=base_paths)
+                           ref_head=ref_head, base_paths=base_paths)
 
 
 def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, base_paths, rt):
@@ -1290,8 +1307,8 @@ def builtin_task(args):
         held_out = dataset == "builtin" and args.eval_dataset == "builtin"
         builtin_model, builtin_prompts, builtin_eval = build_addition_task(folder, args.seed, held_out)
         model_path = builtin_model if model_path == "builtin" else model_path
-        dataset, eval_dataset = (builtin_prompts, builtin_eval or eval_dataset) if dataset == "builtin" else (
-            dataset, eval_dataset)
+        if dataset == "builtin":
+            dataset, eval_dataset = builtin_prompts, builtin_eval or eval_dataset
     return model_path, dataset, eval_dataset
 
 
@@ -1315,13 +1332,15 @@ def build_addition_task(folder, seed, held_out=True):
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     sums = [f"{a} + {b} =\n" for a in range(10) for b in range(10)]
-    evaluated = set(torch.randperm(100, generator=torch.Generator().manual_seed(0))[:20].tolist()) if held_out else ()
-    files = {}
-    for name, rows in (("prompts", [i for i in range(100) if i not in evaluated]), ("eval_prompts", sorted(evaluated))):
-        files[name] = os.path.join(folder, f"{name}.txt")
-        with open(files[name], "w") as f:
-            f.writelines(sums[i] for i in rows)
-    return model_dir, files["prompts"], files["eval_prompts"] if held_out else None
+    held_out_sums = torch.randperm(100, generator=torch.Generator().manual_seed(0))[:20].tolist()
+    evaluated = sorted(held_out_sums) if held_out else []
+    files = []
+    for name, rows in (("prompts", [i for i in range(100) if i not in evaluated]), ("eval_prompts", evaluated)):
+        files.append(os.path.join(folder, f"{name}.txt") if rows else None)
+        if rows:
+            with open(files[-1], "w") as f:
+                f.writelines(sums[i] for i in rows)
+    return model_dir, *files
 
 
 # ====== Systems: what lets the loop above run on many devices, with large vocabularies, and survive a stop ============
@@ -1611,13 +1630,14 @@ def list_checkpoints(output_dir):
 
 def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt):
     """All the run needs to go on exactly: weights, optimizer, schedule, GradScaler, the update counter (the prompt
-    stream's position and every seed follow from it), `progress` (the non-finite streak and β, which the adaptive
-    KL controller changes) and the algorithmic flags. Rank 0 writes a
-    .tmp folder, flushes and renames it (a checkpoint-N folder is always complete); the newest save_total_limit stay."""
+    stream's position and every seed follow from it), the loop's `progress` (see no_progress) and the algorithmic
+    flags. Rank 0 writes a .tmp folder, flushes and renames it (a checkpoint-N folder is always complete); the newest
+    save_total_limit stay."""
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
     if args.lora_r:  # only what trains: the adapters and the value head (the base is the checkpoint it started from)
         inner = model.module if hasattr(model, "module") else model  # DDP
-        weights = {k: v for k, v in weights.items() if k in {n for n, p in inner.named_parameters() if p.requires_grad}}
+        trained = {name for name, p in inner.named_parameters() if p.requires_grad}
+        weights = {k: v for k, v in weights.items() if k in trained}
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
     if rt.rank == 0:
         tmp = path + ".tmp"
@@ -1840,7 +1860,7 @@ class Logger:
                    + "".join(f"{name} {m.get(key, nan):{fmt}}  " for name, key, fmt in shown) + "| "
                    f"{m['time/update_s']:.2f}s: generate {t['generate']:.2f}  score {t['score']:.2f}  "
                    f"train {t['train']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, eta {hms(eta)}")
-        if self.sample_every and ((update - 1) % self.sample_every == 0 or update == num_updates):
+        if self.sample_every and self.evaluates(update - 1):  # the evaluation's schedule
             for r, c, s in list(zip(rows, batch["completions"], batch["scores"].tolist()))[:3]:
                 self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
         if "eval/score" in m:
