@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
@@ -86,6 +86,9 @@ class Args:
     `builtin`: with the built-in task its 20 held-out sums (it trains on the other 80), else none; None: none"""
     eval_temperature: float = 0.0
     """sampling temperature of the evaluation (0: greedy)"""
+    health_window: int = 20
+    """training-health hints (stderr, one line naming the flag to change) judge the last this many updates, and each
+    is printed at most once per this many (0: none)"""
     save_every: int = 0
     """write a resumable checkpoint into output_dir every this many updates (0: only when stopped by a signal)"""
     save_total_limit: int = 2
@@ -100,10 +103,14 @@ class Args:
     """reference policy π_ref for the KL penalty; default: a frozen copy of the initial policy"""
     value_model_path: Optional[str] = None
     """value model init; default: the reward model if it shares the policy's vocabulary, else the policy (new head)"""
-    reward_model_path: Optional[str] = None
-    """reward model (sequence classifier, 1 label); if given it is used instead of --reward_fn"""
-    reward_fn: Optional[str] = None
-    """`module:function` or `file.py:function`: (prompts, completions) -> floats; unset: the built-in task's"""
+    reward_model_path: Optional[list[str]] = None
+    """reward models (sequence classifiers, 1 label), each may have its own tokenizer"""
+    reward_fn: Optional[list[str]] = None
+    """reward functions, `module:function` or `file.py:function`: (prompts, completions) -> floats; with no reward
+    model nor function: the built-in task's"""
+    reward_weights: Optional[list[float]] = None
+    """the score is Σ_i w_i·s_i over the sources s_i, the reward models then the reward functions in order; unset:
+    their mean. With several reward models their disagreement is logged (objective/rm_spread)"""
     dataset: str = "builtin"
     """prompts: a .txt (one per line), a .jsonl (`prompt`, or chat `messages`), or a hub dataset (needs `datasets`)"""
     dataset_train_split: str = "train"
@@ -239,7 +246,7 @@ class Args:
 # another value is refused (a field the checkpoint predates counts as having had its default).
 RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
                    "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
-                   "dist_timeout_s", "merge_lora", "eval_temperature"}
+                   "dist_timeout_s", "merge_lora", "eval_temperature", "health_window"}
 
 
 # What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
@@ -251,7 +258,7 @@ FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradi
                                         "dist_timeout_s", "lora_alpha"]),
                ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
                                           "num_sample_generations", "lora_r", "eval_temperature",
-                                          "overlong_buffer"]),
+                                          "overlong_buffer", "health_window"]),
                "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
                "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
                                                                  "score_clip"]),
@@ -275,6 +282,15 @@ def check_args(args):
             value = getattr(args, flag)
             if not ok(value) or (isinstance(value, float) and not math.isfinite(value)):
                 fail(f"--{flag} {value} is out of range: it must be {allowed}")
+    for field in fields(args):  # from Python: Args(reward_fn="m:f") would read as the list ["m", ":", "f", ...]
+        if "list" in str(field.type) and isinstance(getattr(args, field.name), str):
+            fail(f"--{field.name} takes a list: {field.name}=[{getattr(args, field.name)!r}]")
+    num_sources = len(args.reward_model_path or []) + len(args.reward_fn or []) or 1  # none: the built-in reward
+    if args.reward_weights is not None and len(args.reward_weights) != num_sources:
+        fail(f"--reward_weights {args.reward_weights} does not give one weight per reward source ({num_sources}: the "
+             "reward models, then the reward functions)")
+    if args.reward_weights is not None and not all(math.isfinite(w) for w in args.reward_weights):
+        fail(f"--reward_weights {args.reward_weights}: every weight must be a finite number")
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     if local_batch_size % args.num_mini_batches:
@@ -307,7 +323,7 @@ def check_args(args):
         fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size} over all ranks)")
     if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
         fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
-    if args.reward_model_path is None and args.reward_fn is None and args.dataset != "builtin":
+    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
         fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in reward scores only "
              "the built-in task's sums)")
     return SimpleNamespace(world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
@@ -607,13 +623,15 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
 
 def score(models, batch, prompts, rows, args, rt):
     """Phase 2: a no-grad forward of each frozen model over prompt + response, each chunk of rows cut to its longest
-    real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on padding), the completions' text, and raw_scores
-    (B,): the reward model's at the last real token (or on the text, with its own tokenizer), or the reward
-    function's. With bf16/fp16, log π_old is recomputed by the training forward: the first ratio is then exactly 1."""
+    real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on padding), the completions' text, source_scores
+    (B, S): each reward model's at the last real token (or on the text, with its own tokenizer), then each reward
+    function's, and raw_scores (B,) = source_scores · w. With bf16/fp16, log π_old is recomputed by the training
+    forward: the first ratio is then exactly 1."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
     logprobs = batch["logprobs"]  # (B, R), the sampler's; recomputed below under bf16/fp16
     ref_logprobs, values = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, R)
-    raw_scores, chunk = torch.zeros(len(mask), device=rt.device), args.local_rollout_forward_batch_size
+    rm_scores = [torch.zeros(len(mask), device=rt.device) for _ in models.reward_models]  # (B,) each
+    chunk = args.local_rollout_forward_batch_size
     with rt.no_grad(), rt.autocast():
         for i in range(0, len(mask), chunk):
             rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # cut to the longest real response
@@ -628,23 +646,25 @@ def score(models, batch, prompts, rows, args, rt):
             if rt.low_dtype:
                 logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask, context_length,
                                                          args.temperature, models.policy_head)[0]
-            if models.reward_model is not None and models.reward_tokenizer is None:  # read at the last real token
-                token_scores = forward(models.reward_model, ids, ids_mask, L)  # (b, L): the score after each token
-                raw_scores[rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
+            for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
+                if reward_tokenizer is None:  # the policy's token ids, read at the last real token
+                    token_scores = forward(reward_model, ids, ids_mask, L)  # (b, L): the score after each token
+                    rm_scores[j][rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
         responses = [r[context_length : context_length + n]
                      for r, n in zip(batch["query_responses"].tolist(), lengths.tolist())]
         completions = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        if models.reward_tokenizer is not None:
-            raw_scores = torch.cat([score_texts(models.reward_model, models.reward_tokenizer, prompts,
-                                                rows[i : i + chunk], completions[i : i + chunk])
-                                    for i in range(0, len(rows), chunk)])
-    if models.reward_fn is not None:
-        raw_scores = check_scores(models.reward_fn([prompts.texts[r] for r in rows], completions), len(mask),
-                                  f"--reward_fn {args.reward_fn or 'addition_reward'}").to(rt.device)
+        for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
+            if reward_tokenizer is not None:  # its own tokenizer: it reads the text
+                rm_scores[j] = torch.cat([score_texts(reward_model, reward_tokenizer, prompts, rows[i : i + chunk],
+                                                      completions[i : i + chunk]) for i in range(0, len(rows), chunk)])
+    fn_scores = [check_scores(reward_fn([prompts.texts[r] for r in rows], completions), len(mask),
+                              f"--reward_fn {name}").to(rt.device) for reward_fn, name in models.reward_fns]
+    source_scores = torch.stack(rm_scores + fn_scores, 1)  # (B, S)
     if models.ref_policy is None:  # --kl_coef 0: π_ref stands in as π_old, so every KL estimate is 0
         ref_logprobs = logprobs
     return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
-                values=values, completions=completions, raw_scores=raw_scores)
+                values=values, completions=completions, source_scores=source_scores,
+                raw_scores=(source_scores * models.reward_weights).sum(1))
 
 
 def reference_weights(models, args):
@@ -690,7 +710,7 @@ def evaluate(models, prompts, update, args, rt):
                "eval/response_length": (batch["lengths"] * real).sum()}
     if models.ref_policy is not None:
         metrics["eval/kl"] = (exact_kl(models, batch, args, rt) * real).sum()
-    if models.reward_fn is addition_reward:
+    if models.builtin_reward:
         metrics["eval/success_rate"] = ((scored["raw_scores"] == 1) * real).sum()
     totals = all_ranks_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in metrics.values()]))
     samples = [dict(update=update + 1, prompt=prompts.texts[r], completion=c, score=s) for r, c, s, keep in
@@ -1021,8 +1041,8 @@ def fit_tokenizer(model, tokenizer):
 def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     """Every check that needs files but no model weights, so that bad input fails before minutes of loading: the
     output folder, the checkpoint to resume, wandb for --track, the models' configs (a reward model must be a sequence
-    classifier with one label), the policy's tokenizer, the prompts, the reward function. -> tokenizer, prompts,
-    reward_fn."""
+    classifier with one label), the policy's tokenizer, the prompts, the reward functions. -> tokenizer, prompts,
+    eval_prompts, reward_fns [(function, its flag value)]."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output_dir {output_dir!r} is a file; give a folder")
     parent = os.path.abspath(output_dir)
@@ -1050,15 +1070,15 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
             import_peft(f"--{flag} {path!r} (an adapter)")
         if path:
             configs[flag] = from_pretrained(AutoConfig, base or path, flag, args)
-    if args.reward_model_path:
-        reward_config = from_pretrained(AutoConfig, args.reward_model_path, "reward_model_path", args)
+    for path in args.reward_model_path or []:
+        reward_config = from_pretrained(AutoConfig, path, "reward_model_path", args)
         kind = (reward_config.architectures or [type(reward_config).__name__])[0]
         if reward_config.architectures and not kind.endswith("ForSequenceClassification"):
-            fail(f"--reward_model_path {args.reward_model_path!r} is a {kind} checkpoint, which has no reward head; "
-                 "give a sequence classifier (*ForSequenceClassification) with one label")
+            fail(f"--reward_model_path {path!r} is a {kind} checkpoint, which has no reward head; give a sequence "
+                 "classifier (*ForSequenceClassification) with one label")
         if reward_config.num_labels != 1:
-            fail(f"--reward_model_path {args.reward_model_path!r} is a {kind} with {reward_config.num_labels} "
-                 "labels; a reward model has 1")
+            fail(f"--reward_model_path {path!r} is a {kind} with {reward_config.num_labels} labels; a reward model "
+                 "has 1")
     base = adapter_base(model_path)
     has_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
     tokenizer_path = base if base and not has_tokenizer else model_path  # an adapter without a tokenizer: its base's
@@ -1066,16 +1086,16 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     context = getattr(configs["model_name_or_path"], "max_position_embeddings", None)
     prompts = load_prompts(dataset, args, tokenizer, context)
     eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
-    reward_fn = None  # a reward model, if given, scores instead
-    if not args.reward_model_path:  # check_args allows the built-in reward with the built-in prompts only
-        reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else addition_reward
-    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fn=reward_fn)
+    reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
+    if not reward_fns and not args.reward_model_path:  # check_args allows it with the built-in prompts only
+        reward_fns = [(addition_reward, "addition_reward")]
+    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fns=reward_fns)
 
 
 def load_models(args, model_path, inputs, rt):
     """Every model, on rt.device: the policy and the value model (trained, fp32), the reference policy (default: a copy
-    of the initial policy) and a reward model, or the reward function. Frozen models are held in the autocast dtype; a
-    reward model whose vocabulary differs from the policy's keeps its tokenizer."""
+    of the initial policy), the reward models, and the reward functions and weights of all sources. Frozen models are
+    held in the autocast dtype; a reward model whose vocabulary differs from the policy's keeps its tokenizer."""
     tokenizer = inputs.tokenizer
     stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
         tokenizer.eos_token_id if args.stop_token == "eos" else None)
@@ -1091,9 +1111,8 @@ def load_models(args, model_path, inputs, rt):
                       if args.ref_model_path else copy.deepcopy(policy))
         fit_tokenizer(ref_policy, tokenizer)
         ref_policy.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
-    reward_model = reward_tokenizer = None
-    if args.reward_model_path:
-        path = args.reward_model_path
+    reward_models = []  # (model, its tokenizer, or None if it reads the policy's token ids)
+    for path in args.reward_model_path or []:
         reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args)
         reward_tokenizer = from_pretrained(AutoTokenizer, path, "reward_model_path", args)
         if tokenizer.get_vocab().items() >= reward_tokenizer.get_vocab().items():
@@ -1101,9 +1120,10 @@ def load_models(args, model_path, inputs, rt):
             fit_tokenizer(reward_model, tokenizer)
         elif reward_tokenizer.pad_token is None:
             reward_tokenizer.pad_token = reward_tokenizer.eos_token
-        reward_model.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
-    value_model, value_source = load_value_model(args, model_path, tokenizer, reward_model is not None and
-                                                 reward_tokenizer is None, base_paths, rt)
+        reward_models.append((reward_model.requires_grad_(False).eval().to(rt.device, rt.low_dtype), reward_tokenizer))
+    value_model, value_source = load_value_model(args, model_path, tokenizer, bool(reward_models) and
+                                                 reward_models[0][1] is None, base_paths, rt)
+    num_sources = len(reward_models) + len(inputs.reward_fns)
     policy.to(rt.device)
     # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
     # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
@@ -1114,17 +1134,20 @@ def load_models(args, model_path, inputs, rt):
     elif ref_policy is not None and not (rt.fsdp and args.shard_frozen_models):
         ref_head = output_layer(ref_policy)
     return SimpleNamespace(tokenizer=tokenizer, stop_token_id=stop_token_id, policy=policy, ref_policy=ref_policy,
-                           value_model=value_model, reward_model=reward_model, value_source=value_source,
-                           reward_tokenizer=reward_tokenizer, reward_fn=inputs.reward_fn, policy_head=policy_head,
-                           ref_head=ref_head, base_paths=base_paths)
+                           value_model=value_model, value_source=value_source, reward_models=reward_models,
+                           reward_fns=inputs.reward_fns, builtin_reward=inputs.reward_fns == [(addition_reward,
+                                                                                              "addition_reward")],
+                           reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
+                                                       device=rt.device),
+                           policy_head=policy_head, ref_head=ref_head, base_paths=base_paths)
 
 
 def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, base_paths, rt):
     """The value model (trained, fp32) and where it came from; none for a value-free --advantage_estimator. It reads
-    the policy's token ids: it starts from the reward model only if that shares the policy's vocabulary."""
+    the policy's token ids: it starts from the (first) reward model only if that shares the policy's vocabulary."""
     if args.advantage_estimator != "gae":
         return None, f"no value model (--advantage_estimator {args.advantage_estimator})"
-    value_path = args.value_model_path or (args.reward_model_path if reward_model_shares_vocabulary else model_path)
+    value_path = args.value_model_path or (args.reward_model_path[0] if reward_model_shares_vocabulary else model_path)
     value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args,
                                   new_head=True, num_labels=1)
     if not hasattr(value_model, "score"):
@@ -1134,7 +1157,7 @@ def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary
     if args.lora_r:  # its own adapter, and the whole score head
         value_model = add_lora(value_model, args, modules_to_save=["score"])
     source = "value model from " + (f"--value_model_path {value_path}" if args.value_model_path else
-                                    "the reward model" if value_path == args.reward_model_path else "the policy")
+                                    "the reward model" if value_path != model_path else "the policy")
     return value_model.to(rt.device), source
 
 
@@ -1446,8 +1469,8 @@ def wrap_for_training(models, args, rt):
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    frozen = [m for m in (models.ref_policy, models.reward_model) if args.shard_frozen_models and m is not None
-              and m is not models.policy]  # with LoRA, the reference is the policy
+    frozen = [m for m in (models.ref_policy, *[rm for rm, _ in models.reward_models]) if args.shard_frozen_models
+              and m is not None and m is not models.policy]  # with LoRA, the reference is the policy
     for model in [models.policy, models.value_model] + frozen if rt.fsdp else []:
         if model is not None:
             shard(model, frozen=any(model is m for m in frozen))
@@ -1774,8 +1797,14 @@ def update_metrics(batch, trained, models, args, rt):
     if trained.stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
         averaged["policy/first_ratio"] = trained.stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = trained.stats["policy/approxkl_avg"][0]
-    if models.reward_fn is addition_reward:  # the built-in task: exactly the sum, then EOS
+    if models.builtin_reward:  # the built-in task: exactly the sum, then EOS
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
+    num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # (B, S): the reward models first
+    sources = [f"rm{j}" for j in range(num_rms)] + [f"fn{j}" for j in range(len(models.reward_fns))]
+    if len(sources) > 1:  # each source's mean raw score
+        averaged.update({f"objective/raw_scores/{name}": x.mean() for name, x in zip(sources, source_scores.T)})
+    if num_rms > 1:  # the reward models' disagreement: their std on a response, mean over responses
+        averaged["objective/rm_spread"] = source_scores[:, :num_rms].std(1, correction=0).mean()
     summed = {"val/num_eos_tokens": batch["contains_eos"].sum(), "rollout": mask.sum(),
               "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
     averaged, summed = reduce_over_ranks(averaged, summed, rt)
@@ -1783,9 +1812,41 @@ def update_metrics(batch, trained, models, args, rt):
     return averaged, summed
 
 
+def health_hints(window, args, has_stop_token):
+    """Signs of trouble in the metrics of the last updates (window: their dicts, oldest first, at most
+    --health_window). -> {hint: one line naming the flag to change}. Thresholds, all quiet on the default run: most
+    importance ratios of an update outside [1 − ε, 1 + ε] (> 50%); the KL to the reference up by > 50% (and > 0.1)
+    from the window's first half to its second while the mean score did not rise; >= 90% of responses cut off at
+    --response_length in every update of the window (with a stop token)."""
+    hints, last, n = {}, window[-1], len(window)
+    outside = last.get("policy/ratio_outside_clip_avg", 0.0)  # absent when no minibatch trained
+    if outside > 0.5:
+        hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε] in this update: the "
+                          "policy moves too far per update; lower --learning_rate or --num_ppo_epochs (or set "
+                          "--target_kl)")
+    if n < max(args.health_window, 2):
+        return hints
+    halves = window[: n // 2], window[n // 2 :]
+    if "objective/kl" in last:
+        (kl_before, kl_now), (score_before, score_now) = ([sum(m[key] for m in h) / len(h) for h in halves]
+                                                          for key in ("objective/kl", "objective/scores"))
+        if kl_now > 1.5 * kl_before and kl_now - kl_before > 0.1 and score_now <= score_before:
+            hints["kl"] = (f"the KL to the reference rose from {kl_before:.2f} to {kl_now:.2f} over the last {n} "
+                           f"updates while the score did not ({score_before:.3f} -> {score_now:.3f}): the policy "
+                           "drifts without gaining reward (or games it); raise --kl_coef or set --adaptive_kl_target, "
+                           "and watch eval/score")
+    truncated = [m["val/truncated_frac"] for m in window]
+    if has_stop_token and min(truncated) >= 0.9:
+        hints["length"] = (f"{sum(truncated) / n:.0%} of the responses of the last {n} updates (>= 90% in each) were "
+                           f"cut off at --response_length {args.response_length} before the stop token: raise "
+                           "--response_length, or penalise it (--missing_eos_penalty, --overlong_buffer)")
+    return hints
+
+
 class Logger:
     """Rank 0 prints a start line and a line per update (and sample completions num_sample_generations times), and
-    appends one JSON object per update to metrics.jsonl (and sends it to wandb with --track)."""
+    appends one JSON object per update to metrics.jsonl (and sends it to wandb with --track); health hints (see
+    health_hints) on stderr."""
 
     def __init__(self, args, output_dir, sizes, rt, num_prompts, models):
         self.args, self.sizes, self.rt, self.last, self.first_update = args, sizes, rt, None, None
@@ -1809,13 +1870,16 @@ class Logger:
                    f"device {rt.device}, {args.dtype}, output {output_dir}; {models.value_source}"
                    f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
                    + (f"; LoRA r {args.lora_r}: {trained:,} of {every:,} parameters train" if args.lora_r else ""))
-        self.start_time = time.time()
+        self.start_time, self.has_stop_token = time.time(), models.stop_token_id is not None
+        self.window, self.hinted = deque(maxlen=args.health_window), {}  # health_hints' window, {hint: update}
         self.absent = ({"objective/kl"} if models.ref_policy is None else set()) | (
-            {"loss/value_avg", "val/explained_variance"} if models.value_model is None else set())
+            {"loss/value_avg", "val/explained_variance"} if models.value_model is None else set()) | (
+            {"objective/rm_spread"} if len(models.reward_models) < 2 else set())
 
     SHOWN = [("kl", "objective/kl", ".3f"), ("approxkl", "policy/approxkl_avg", ".4f"),
              ("clipfrac", "policy/clipfrac_avg", ".3f"), ("vloss", "loss/value_avg", ".4f"),
-             ("ev", "val/explained_variance", ".2f"), ("len", "val/mean_response_length", ".1f")]
+             ("ev", "val/explained_variance", ".2f"), ("len", "val/mean_response_length", ".1f"),
+             ("rm_spread", "objective/rm_spread", ".3f")]
 
     def evaluates(self, update):
         """Evaluate after update (0-based) num_sample_generations times over the run, and after the last one."""
@@ -1860,6 +1924,12 @@ class Logger:
                    + "".join(f"{name} {m.get(key, nan):{fmt}}  " for name, key, fmt in shown) + "| "
                    f"{m['time/update_s']:.2f}s: generate {t['generate']:.2f}  score {t['score']:.2f}  "
                    f"train {t['train']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, eta {hms(eta)}")
+        self.window.append(m)  # stays empty with --health_window 0
+        hints = health_hints(list(self.window), self.args, self.has_stop_token) if self.window else {}
+        for name, hint in hints.items():
+            if update - self.hinted.get(name, -num_updates) >= self.args.health_window:  # once per window
+                self.hinted[name] = update
+                self.print(f"hint: update {update}: {hint}", file=sys.stderr)
         if self.sample_every and self.evaluates(update - 1):  # the evaluation's schedule
             for r, c, s in list(zip(rows, batch["completions"], batch["scores"].tolist()))[:3]:
                 self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")

@@ -100,7 +100,7 @@ def tiny(tmp_path_factory):
 
 
 def run_args(tiny, tmp_path, **overrides):
-    kwargs = dict(model_name_or_path=tiny["gpt2"], reward_model_path=tiny["gpt2_rm"], dataset=tiny["prompts"],
+    kwargs = dict(model_name_or_path=tiny["gpt2"], reward_model_path=[tiny["gpt2_rm"]], dataset=tiny["prompts"],
                   output_dir=str(tmp_path / "run"), total_episodes=16, per_device_train_batch_size=8,
                   num_mini_batches=2, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, num_sample_generations=0)
     kwargs.update(overrides)
@@ -782,7 +782,7 @@ def test_end_to_end_cli_with_a_reward_function(tiny, tmp_path):
 
 
 def test_reward_model_with_another_tokenizer_end_to_end(tiny, tmp_path):
-    args = run_args(tiny, tmp_path, model_name_or_path=tiny["llama"], reward_model_path=tiny["other_rm"],
+    args = run_args(tiny, tmp_path, model_name_or_path=tiny["llama"], reward_model_path=[tiny["other_rm"]],
                     local_rollout_forward_batch_size=3)
     P.main(args)
     check_run(args.output_dir, tiny["llama"], read_metrics(args.output_dir))
@@ -790,6 +790,36 @@ def test_reward_model_with_another_tokenizer_end_to_end(tiny, tmp_path):
     value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(args.output_dir, "value_model"))
     value_config = value_model.config
     assert value_config.vocab_size == len(WORDS)
+
+
+def test_several_reward_sources_give_the_weighted_score_and_log_their_spread(tiny, tmp_path, monkeypatch, capsys):
+    """Two reward models with different tokenizers and a reward function: each source scores as it does alone (the
+    same first rollout: scoring draws no random numbers), the score is Σ w_i·s_i (unset weights: the mean), and the
+    metrics hold each source's mean and the reward models' spread, mean over rows of std(s_rm0, s_rm1) = |s0 − s1|/2."""
+    calls = spy_on_updates(monkeypatch)
+    sources = dict(reward_model_path=[tiny["gpt2_rm"], tiny["other_rm"]], reward_fn=[f"{__file__}:num_words"])
+    runs = {"all": dict(**sources, reward_weights=[0.5, 0.3, -0.2]), "rms": dict(reward_model_path=sources[
+        "reward_model_path"]), "rm0": dict(reward_model_path=sources["reward_model_path"][:1]),
+            "rm1": dict(reward_model_path=sources["reward_model_path"][1:]),
+            "fn0": dict(reward_model_path=None, reward_fn=sources["reward_fn"])}
+    batches, metrics = {}, {}
+    for name, flags in runs.items():
+        args = run_args(tiny, tmp_path / name, total_episodes=8, stop_token_id=5, seed=3, **flags)
+        P.main(args)
+        batches[name], metrics[name] = calls[-1][0], read_metrics(args.output_dir)[0]
+    assert all(torch.equal(b["query_responses"], batches["all"]["query_responses"]) for b in batches.values())
+    alone = torch.stack([batches[name]["raw_scores"] for name in ("rm0", "rm1", "fn0")], 1)  # (B, 3)
+    assert torch.allclose(batches["all"]["source_scores"], alone, atol=1e-6)
+    assert not torch.allclose(alone[:, 0], alone[:, 1], atol=1e-3) and alone[:, 2].abs().sum() > 0
+    assert torch.allclose(batches["all"]["raw_scores"], alone @ torch.tensor([0.5, 0.3, -0.2]), atol=1e-6)
+    assert torch.allclose(batches["rms"]["raw_scores"], alone[:, :2].mean(1), atol=1e-6)
+    m = metrics["all"]
+    for j, name in enumerate(["rm0", "rm1", "fn0"]):
+        assert m[f"objective/raw_scores/{name}"] == pytest.approx(alone[:, j].mean().item(), abs=1e-6)
+    spread = ((alone[:, 0] - alone[:, 1]).abs() / 2).mean().item()
+    assert m["objective/rm_spread"] == pytest.approx(spread, abs=1e-6) == metrics["rms"]["objective/rm_spread"]
+    assert "objective/rm_spread" not in metrics["rm0"] and "objective/raw_scores/rm0" not in metrics["rm0"]
+    assert f"rm_spread {spread:.3f}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("dtype,gradient_checkpointing", [("bf16", False), ("fp16", False), ("fp32", True)])
@@ -832,7 +862,7 @@ def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypat
     chunks, the learning rate's schedule, the target_kl stop; 6. the logged metrics are those of this batch."""
     monkeypatch.setattr(P, "logprobs_chunk_rows", lambda vocab_size: 4)  # the chunked output layer, as at scale
     calls = spy_on_updates(monkeypatch)
-    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:count_w1", total_episodes=24,
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"], total_episodes=24,
                     stop_token_id=5, temperature=0.7, kl_coef=0.1, gamma=0.9, lam=0.8, kl_estimator=kl_estimator,
                     whiten_rewards=whiten_rewards, missing_eos_penalty=missing_eos_penalty, anneal_lr=anneal_lr,
                     target_kl=target_kl)
@@ -901,7 +931,7 @@ def test_the_value_free_estimators_wire_their_advantages(tiny, tmp_path, monkeyp
     or saved; β 0 loads no reference; the adaptive controller moves β by its formula."""
     estimator, k, kl_in, kl_coef, target = FAMILY[case]
     calls = spy_on_updates(monkeypatch)
-    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:count_w1", total_episodes=24,
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"], total_episodes=24,
                     stop_token_id=5, gamma=0.9, num_generations=k, advantage_estimator=estimator, kl_in=kl_in,
                     kl_coef=kl_coef, adaptive_kl_target=target, adaptive_kl_horizon=100)
     P.main(args)
@@ -952,8 +982,8 @@ TRAINING_KEYS = lambda m: {k: v for k, v in DETERMINISTIC_KEYS(m).items() if not
 def test_evaluation_leaves_training_bit_identical(tiny, tmp_path):
     """Evaluation at T = 0.7 (its own random stream) 3 times over the run: every training key of every update and the
     final weights are those of a run without it; samples.jsonl holds each evaluation's prompts."""
-    common = dict(reward_model_path=None, reward_fn=f"{__file__}:count_w1", total_episodes=32, num_sample_generations=2,
-                  eval_temperature=0.7)
+    common = dict(reward_model_path=None, reward_fn=[f"{__file__}:count_w1"], total_episodes=32,
+                  num_sample_generations=2, eval_temperature=0.7)
     with_eval = run_args(tiny, tmp_path / "a", eval_dataset=tiny["txt"], **common)
     without = run_args(tiny, tmp_path / "b", eval_dataset=None, **common)
     P.main(with_eval), P.main(without)
@@ -978,7 +1008,7 @@ def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.05)
     reference.save_pretrained(str(tmp_path / "ref"))
     AutoTokenizer.from_pretrained(tiny["gpt2"]).save_pretrained(str(tmp_path / "ref"))
-    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:count_w1", learning_rate=0.0,
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"], learning_rate=0.0,
                     ref_model_path=str(tmp_path / "ref"), eval_dataset=tiny["txt"], total_episodes=8, stop_token_id=5,
                     temperature=0.8)
     P.main(args)
@@ -1032,7 +1062,7 @@ def test_the_loop_shapes_the_scores_as_its_flags_say(tiny, tmp_path, monkeypatch
     """The score main() hands to the update: raw − EOS penalty, / the std of every raw score so far (all updates),
     clipped, − λ·length, − the overlong penalty; raw and shaped means logged."""
     calls = spy_on_updates(monkeypatch)
-    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:count_w1", total_episodes=24,
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"], total_episodes=24,
                     stop_token_id=5, missing_eos_penalty=0.3, score_scaling="running_std", score_clip=2.0,
                     length_penalty=0.05, overlong_buffer=2, overlong_penalty=0.4)
     P.main(args)
@@ -1094,7 +1124,7 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "adaptive_kl_horizon": 0, "adaptive_kl_target": 0.0, "cliprange_high": -0.1, "dual_clip": 1.0,
                 "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0, "eval_temperature": -0.5,
                 "score_clip": 0.0, "overlong_buffer": -1, "length_penalty": float("nan"),
-                "overlong_penalty": float("inf")}
+                "overlong_penalty": float("inf"), "health_window": -1}
 
 
 def file_case(case, tiny, tmp_path):
@@ -1111,7 +1141,7 @@ def file_case(case, tiny, tmp_path):
     if case == "reward model with 2 labels":
         config("gpt2", len(WORDS), num_labels=2, architectures=["GPT2ForSequenceClassification"]).save_pretrained(
             str(tmp_path / "rm2"))
-        return dict(reward_model_path=str(tmp_path / "rm2")), "--reward_model_path"
+        return dict(reward_model_path=[str(tmp_path / "rm2")]), "--reward_model_path"
     if case == "output_dir is a file":
         (tmp_path / "run").write_text("notes")
         return {}, "--output_dir"
@@ -1123,14 +1153,14 @@ def file_case(case, tiny, tmp_path):
         "missing policy": (dict(model_name_or_path="/no/such/model"), "--model_name_or_path"),
         "missing reference": (dict(ref_model_path=str(tmp_path / "nothing")), "--ref_model_path"),
         "missing value model": (dict(value_model_path=str(tmp_path / "nothing")), "--value_model_path"),
-        "missing reward model": (dict(reward_model_path=str(tmp_path / "nothing")), "--reward_model_path"),
-        "a causal LM as reward model": (dict(reward_model_path=tiny["gpt2"]), "--reward_model_path"),
+        "missing reward model": (dict(reward_model_path=[str(tmp_path / "nothing")]), "--reward_model_path"),
+        "a causal LM as reward model": (dict(reward_model_path=[tiny["gpt2"]]), "--reward_model_path"),
         "missing prompts": (dict(dataset="/no/such/prompts.txt"), "--dataset"),
         "a prompt too long": (dict(response_length=30), "--response_length"),
         "own prompts, no reward": (dict(reward_model_path=None), "--reward_fn"),
-        "reward_fn without a colon": (dict(reward_model_path=None, reward_fn="count_w1"), "--reward_fn"),
-        "missing reward module": (dict(reward_model_path=None, reward_fn="no_such_module:f"), "--reward_fn"),
-        "missing reward function": (dict(reward_model_path=None, reward_fn=f"{__file__}:no_such"), "--reward_fn"),
+        "reward_fn without a colon": (dict(reward_model_path=None, reward_fn=["count_w1"]), "--reward_fn"),
+        "missing reward module": (dict(reward_model_path=None, reward_fn=["no_such_module:f"]), "--reward_fn"),
+        "missing reward function": (dict(reward_model_path=None, reward_fn=[f"{__file__}:no_such"]), "--reward_fn"),
         "missing checkpoint": (dict(resume=str(tmp_path / "checkpoint-000001")), "--resume"),
         "minibatches do not divide": (dict(per_device_train_batch_size=6, num_mini_batches=4), "--num_mini_batches"),
         "micro-batches do not divide": (dict(per_device_train_batch_size=6, gradient_accumulation_steps=2,
@@ -1148,6 +1178,10 @@ def file_case(case, tiny, tmp_path):
         "an overlong buffer past the response": (dict(overlong_buffer=7), "--overlong_buffer"),
         "a reference model with LoRA": (dict(lora_r=4, ref_model_path=tiny["gpt2"]), "--ref_model_path"),
         "merging without LoRA": (dict(merge_lora=True), "--merge_lora"),
+        "weights not matching the sources": (dict(reward_fn=[f"{__file__}:count_w1"], reward_weights=[1.0]),
+                                             "--reward_weights"),
+        "a non-finite reward weight": (dict(reward_weights=[float("nan")]), "--reward_weights"),
+        "a path where a list goes": (dict(reward_model_path=tiny["gpt2_rm"]), "--reward_model_path"),
     }[case]
 
 
@@ -1160,13 +1194,15 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "groups do not divide the batch", "a group baseline with one response per prompt",
               "a value model without GAE", "a reference model without KL", "an adaptive KL of zero",
               "LoRA without peft", "a reference model with LoRA", "merging without LoRA", "missing eval prompts",
-              "an overlong buffer past the response"]
+              "an overlong buffer past the response", "weights not matching the sources", "a non-finite reward weight",
+              "a path where a list goes"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
             "reward model with 2 labels": "with 2 labels", "missing policy": "no such folder",
             "output_dir is a file": "is a file", "missing reward function": "has no function 'no_such'",
-            "LoRA without peft": "pip install peft"}
+            "LoRA without peft": "pip install peft", "a path where a list goes": "takes a list",
+            "weights not matching the sources": "one weight per reward source (2: "}
 
 
 def test_the_bad_input_table_covers_every_ranged_flag():
@@ -1201,9 +1237,10 @@ def test_bad_input_fails_in_one_line_before_any_model_loads_and_writes_nothing(t
 
 
 RUNTIME_CASES = {  # found only once the models run: still one line, and no metrics or model written
-    "a reward function returning the wrong count": (dict(reward_model_path=None, reward_fn=f"{__file__}:wrong_count"),
-                                                     "--reward_fn"),
-    "a reward function returning NaN": (dict(reward_model_path=None, reward_fn=f"{__file__}:nan_score"), "--reward_fn"),
+    "a reward function returning the wrong count": (
+        dict(reward_model_path=None, reward_fn=[f"{__file__}:wrong_count"]), "--reward_fn"),
+    "a reward function returning NaN": (
+        dict(reward_model_path=None, reward_fn=[f"{__file__}:nan_score"]), "--reward_fn"),
     "LoRA on layers the model lacks": (dict(lora_r=4, lora_target_modules=["no_such_layer"]), "--lora_target_modules"),
 }
 
@@ -1227,17 +1264,75 @@ def test_bad_input_on_the_command_line_has_no_traceback(tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith("error: --model_name_or_path")
 
 
-def test_the_default_run_starts_quietly(tmp_path):
-    """The first lines are the start line (it names the value model's new head) and the first update: no progress
-    bar, no load report."""
+def test_the_default_run_is_quiet_and_learns_the_held_out_sums(tmp_path):
+    """The default run, whole: the first lines are the start line (it names the value model's new head) and the first
+    update, stderr stays empty (no progress bar, no load report, no health hint: the run is healthy), the training
+    success climbs and the held-out success is printed after the last update."""
     out = str(tmp_path / "run")
-    result = subprocess.run([sys.executable, SCRIPT, "--total_episodes", "256", "--output_dir", out],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, SCRIPT, "--output_dir", out], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("ppo_rlhf: 2 updates") and lines[0].endswith("value model from the policy with a "
-                                                                           "new score head")
-    assert lines[1].startswith("update 1/2 ")
+    assert lines[0].startswith("ppo_rlhf: 400 updates") and lines[0].endswith("value model from the policy with a "
+                                                                             "new score head")
+    assert lines[1].startswith("update 1/400 ")
+    metrics = read_metrics(out)
+    assert max(m["objective/success_rate"] for m in metrics[:10]) < 0.1 < 0.8 < metrics[-1]["objective/success_rate"]
+    held_out = [line for line in lines if line.startswith("  eval success ")]
+    assert len(held_out) == 11 and f"{metrics[-1]['eval/success_rate']:4.0%}" in held_out[-1]
+    assert metrics[-1]["eval/success_rate"] > metrics[0]["eval/success_rate"]
+
+
+def hint_window(kl, scores, truncated, outside=0.1):
+    """The metrics health_hints reads, update by update."""
+    return [{"objective/kl": k, "objective/scores": s, "val/truncated_frac": t,
+             "policy/ratio_outside_clip_avg": outside} for k, s, t in zip(kl, scores, truncated)]
+
+
+def test_health_hints_fire_on_their_bad_cases_and_only_there():
+    args, hints = P.Args(health_window=4, response_length=6), P.health_hints
+    healthy = hint_window([1, 1.1, 1.2, 1.3], [0.1, 0.2, 0.3, 0.4], [0.5, 0.9, 1.0, 0.2])
+    assert hints(healthy, args, True) == {}
+    ratio = hints(hint_window([1] * 4, [0.1] * 4, [0.5] * 4, outside=0.6), args, True)  # most ratios out of the clip
+    assert list(ratio) == ["ratio"] and "60% of the importance ratios" in ratio["ratio"] and "--learning_rate" in ratio[
+        "ratio"]
+    assert hints(hint_window([1] * 4, [0.1] * 4, [0.5] * 4, outside=0.5), args, True) == {}  # half is not most
+    drift = hint_window([1, 1, 2, 2], [0.5, 0.6, 0.6, 0.5], [0.5] * 4)  # KL doubles, the score stays
+    kl = hints(drift, args, True)
+    assert list(kl) == ["kl"] and "rose from 1.00 to 2.00" in kl["kl"] and "--kl_coef" in kl["kl"]
+    assert hints(drift[1:], args, True) == {}  # a window not yet full
+    assert hints(hint_window([1, 1, 2, 2], [0.5, 0.5, 0.6, 0.6], [0.5] * 4), args, True) == {}  # the score rose
+    assert hints(hint_window([1, 1, 1.4, 1.4], [0.5] * 4, [0.5] * 4), args, True) == {}  # up by only 40%
+    assert hints(hint_window([0.01, 0.01, 0.09, 0.09], [0.5] * 4, [0.5] * 4), args, True) == {}  # by under 0.1
+    assert hints([{k: v for k, v in m.items() if k != "objective/kl"} for m in drift], args, True) == {}  # no π_ref
+    cut = hint_window([1, 1.1, 1.2, 1.3], [0.1, 0.2, 0.3, 0.4], [0.9, 1.0, 0.9, 1.0])
+    length = hints(cut, args, True)
+    assert list(length) == ["length"] and "95% of the responses" in length["length"] and "--response_length 6" in \
+        length["length"]
+    assert hints(cut, args, False) == {}  # no stop token: every response has response_length tokens
+    assert hints(hint_window([1, 1.1, 1.2, 1.3], [0.1, 0.2, 0.3, 0.4], [0.9, 1.0, 0.89, 1.0]), args, True) == {}
+
+
+def test_a_run_that_moves_too_far_gets_hints_at_most_once_per_window(tiny, tmp_path, capsys):
+    """A learning rate 100 times too high (and a length reward that keeps the stop token away): the ratio and the
+    length hints are printed on stderr, each at most once per --health_window updates, and the run goes on."""
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:num_words"], total_episodes=96,
+                    stop_token_id=5, learning_rate=0.1, health_window=3)
+    P.main(args)
+    assert len(read_metrics(args.output_dir)) == 12
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(line.startswith("hint: update ") for line in lines)
+    for flag in ("--learning_rate", "--response_length"):
+        updates = [int(line.split()[2][:-1]) for line in lines if flag in line]
+        assert updates and all(b - a >= 3 for a, b in zip(updates, updates[1:])), (flag, updates)
+    args = run_args(tiny, tmp_path / "quiet", reward_model_path=None, reward_fn=[f"{__file__}:num_words"],
+                    total_episodes=96, stop_token_id=5, learning_rate=0.1, health_window=0)
+    P.main(args)
+    assert capsys.readouterr().err == ""  # --health_window 0: no hints
+    args = run_args(tiny, tmp_path / "no_stop", reward_model_path=None, reward_fn=[f"{__file__}:num_words"],
+                    total_episodes=96, stop_token=None, learning_rate=0.1, health_window=3)
+    P.main(args)
+    hints = capsys.readouterr().err
+    assert "--learning_rate" in hints and "--response_length" not in hints  # no stop token: every response is full
 
 
 def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
@@ -1251,7 +1346,7 @@ def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])  # fp16: GradScaler would skip such steps silently, forever
 def test_non_finite_losses_skip_updates_then_abort(tiny, tmp_path, capsys, dtype):
-    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:huge_score", total_episodes=64,
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:huge_score"], total_episodes=64,
                     dtype=dtype)
     with pytest.raises(SystemExit, match="non-finite") as exc:
         P.main(args)
@@ -1401,7 +1496,7 @@ def test_every_run_only_field_is_a_field_and_a_checkpoint_predating_a_flag_resum
 
 
 def test_the_non_finite_streak_survives_a_resume(tiny, tmp_path, capsys):
-    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=f"{__file__}:huge_score", total_episodes=64,
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:huge_score"], total_episodes=64,
                     save_every=1)
     with pytest.raises(SystemExit, match="3 updates in a row"):
         P.main(args)
@@ -1496,7 +1591,8 @@ def test_torchrun_builtin_task(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, "policy"))
     eval_file = P.build_addition_task(str(tmp_path / "task"), 1)[2]
     models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(os.path.join(out, "policy")), ref_policy=None,
-                             value_model=None, reward_model=None, reward_tokenizer=None, reward_fn=P.addition_reward,
+                             value_model=None, reward_models=[], builtin_reward=True,
+                             reward_fns=[(P.addition_reward, "addition_reward")], reward_weights=torch.ones(1),
                              tokenizer=tokenizer, stop_token_id=tokenizer.eos_token_id, policy_head=None, ref_head=None)
     args = P.Args(response_length=2)
     alone, samples = P.evaluate(models, P.load_prompts(eval_file, args, tokenizer, None), 2, args, P.Runtime())
@@ -1741,7 +1837,7 @@ def main_worker(rank, port, tiny, output_dir, flags, out_file):
     init_gloo(rank, port)
     with pytest.MonkeyPatch.context() as monkeypatch:
         calls = spy_on_updates(monkeypatch)
-        P.main(P.Args(model_name_or_path=tiny["gpt2"], reward_fn=f"{__file__}:num_words", dataset=tiny["prompts"],
+        P.main(P.Args(model_name_or_path=tiny["gpt2"], reward_fn=[f"{__file__}:num_words"], dataset=tiny["prompts"],
                       output_dir=output_dir, total_episodes=16, per_device_train_batch_size=4, num_mini_batches=1,
                       num_ppo_epochs=1, response_length=6, stop_token_id=5, num_sample_generations=0, **flags))
     torch.save([batch for batch, *_ in calls], f"{out_file}.{rank}")
@@ -1860,7 +1956,7 @@ def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, mo
     from peft import PeftModel
     calls, loaded_models, load_models = spy_on_updates(monkeypatch), [], P.load_models
     monkeypatch.setattr(P, "load_models", lambda *a: loaded_models.append(load_models(*a)) or loaded_models[-1])
-    args = run_args(tiny, tmp_path, model_name_or_path=tiny[arch], reward_model_path=tiny[f"{arch}_rm"],
+    args = run_args(tiny, tmp_path, model_name_or_path=tiny[arch], reward_model_path=[tiny[f"{arch}_rm"]],
                     lora_r=4, lora_alpha=8.0, merge_lora=True, dtype=dtype, learning_rate=1e-2, save_every=2,
                     gradient_checkpointing=gradient_checkpointing)
     P.main(args)
