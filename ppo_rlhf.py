@@ -17,7 +17,8 @@ clip, the KL penalty to π_ref and target_kl early stopping keep π_θ close eno
 Its relatives are switches, each a few lines next to the formula it changes: k responses per prompt and value-free
 advantages from the group's scores (--num_generations, --advantage_estimator rloo|grpo|dr_grpo|reinforce_pp...),
 the KL as a loss term (--kl_in loss, --kl_estimator k2), an adaptive β, clip-higher and dual clip, the loss's
-aggregation (--loss_agg) and an entropy bonus.
+aggregation (--loss_agg) and an entropy bonus. Against a policy that games its reward: a held-out evaluation, score
+shaping, several reward sources with their disagreement logged, and training-health hints.
 
 Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF), and Huang et al.
 2024 ("The N+ implementation details of RLHF with PPO"); flag and metric names follow TRL's PPOTrainer.
@@ -1307,9 +1308,10 @@ def check_scores(scores, n, source):
 
 
 def addition_reward(prompts, completions):
-    """The built-in task's reward for prompts `a + b =`: 1 for exactly the sum (then EOS), ½ for the sum followed by
-    more tokens, 0 otherwise. The half point is partial credit: a random policy stops right after the right number
-    about once in 600 tries, too rarely to learn from; it finds the right number 1 time in 24."""
+    """The built-in task's reward for prompts `a + b =`: 1 for exactly the sum, ½ for the sum followed by more words,
+    0 otherwise. The half point is partial credit: a random policy stops right after the right number about once in
+    600 tries, too rarely to learn from; it finds the right number 1 time in 24. It reads the decoded text, which has
+    no special tokens: the sum then <pad> scores as the sum then EOS, and the policy learns to use that (README)."""
     scores = []
     for prompt, completion in zip(prompts, completions):
         a, _, b, _ = prompt.split()[-4:]
