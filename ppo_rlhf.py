@@ -1690,6 +1690,8 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
 
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     saved = {**{f.name: f.default for f in fields(Args)}, **state["config"]}  # a newer flag: had its default then
+    for key in ("reward_model_path", "reward_fn"):  # one string in checkpoints of versions with one of each
+        saved[key] = [saved[key]] if isinstance(saved[key], str) else saved[key]
     changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS and saved[k] != v]
     if changed:
         fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")

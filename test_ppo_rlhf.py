@@ -1489,8 +1489,9 @@ def test_every_run_only_field_is_a_field_and_a_checkpoint_predating_a_flag_resum
     with pytest.raises(SystemExit, match="2 processes"):
         P.main(dataclasses.replace(args, resume=first))
     state["world_size"] = 1
+    state["config"]["reward_model_path"] = tiny["gpt2_rm"]  # one string: as a version with one reward model wrote it
     torch.save(state, os.path.join(first, "state.pt"))
-    # the default is what it ran with; run-only flags may change on resume
+    # the default is what it ran with, one reward model is a list of one; run-only flags may change on resume
     P.main(dataclasses.replace(args, resume=first, num_sample_generations=3, save_total_limit=5, exp_name="other"))
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
 
