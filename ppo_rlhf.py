@@ -697,7 +697,8 @@ def evaluate(models, prompts, update, args, rt):
     own seeded from (seed, update), never the training's: a run trains the same with or without it. Rank r takes
     the r-th of world_size equal slices (the last prompt repeats to fill them: sharded models must run alike).
     -> eval/score (mean raw score), eval/kl (the exact KL(π_θ‖π_ref) summed over each response: Σ_v π·log(π/π_ref)
-    at every token, mean over prompts), eval/response_length, over all ranks; and this rank's samples."""
+    at every token, mean over prompts), eval/response_length (and eval/rm_spread), over all ranks; and this rank's
+    samples."""
     n = len(prompts.ids)
     per_rank = -(-n // rt.world_size)
     rows = [min(rt.rank * per_rank + i, n - 1) for i in range(per_rank)]
@@ -713,6 +714,9 @@ def evaluate(models, prompts, update, args, rt):
         metrics["eval/kl"] = (exact_kl(models, batch, args, rt) * real).sum()
     if models.builtin_reward:
         metrics["eval/success_rate"] = ((scored["raw_scores"] == 1) * real).sum()
+    num_rms = len(models.reward_models)
+    if num_rms > 1:  # as objective/rm_spread: the reward models' std on a response, mean over responses
+        metrics["eval/rm_spread"] = (scored["source_scores"][:, :num_rms].std(1, correction=0) * real).sum()
     totals = all_ranks_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in metrics.values()]))
     samples = [dict(update=update + 1, prompt=prompts.texts[r], completion=c, score=s) for r, c, s, keep in
                zip(rows, scored["completions"], scored["raw_scores"].tolist(), real.tolist()) if keep]
@@ -1939,8 +1943,9 @@ class Logger:
                 self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
         if "eval/score" in m:
             success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
+            spread = f"rm_spread {m['eval/rm_spread']:.3f}  " if "eval/rm_spread" in m else ""
             self.print(f"  eval {success}score {m['eval/score']:.3f}  kl {m.get('eval/kl', nan):.3f}  "
-                       f"len {m['eval/response_length']:.1f}  (held-out, T = {self.args.eval_temperature:g})")
+                       f"len {m['eval/response_length']:.1f}  {spread}(held-out, T = {self.args.eval_temperature:g})")
             for sample in samples[:3]:
                 self.print(f"    {sample['prompt']!r} -> {sample['completion']!r}  score {sample['score']:.2f}")
 

@@ -795,18 +795,21 @@ def test_reward_model_with_another_tokenizer_end_to_end(tiny, tmp_path):
 def test_several_reward_sources_give_the_weighted_score_and_log_their_spread(tiny, tmp_path, monkeypatch, capsys):
     """Two reward models with different tokenizers and a reward function: each source scores as it does alone (the
     same first rollout: scoring draws no random numbers), the score is Σ w_i·s_i (unset weights: the mean), and the
-    metrics hold each source's mean and the reward models' spread, mean over rows of std(s_rm0, s_rm1) = |s0 − s1|/2."""
-    calls = spy_on_updates(monkeypatch)
+    metrics hold each source's mean and the reward models' spread, mean over rows of std(s_rm0, s_rm1) = |s0 − s1|/2,
+    also on the held-out prompts."""
+    calls, scored, real_score = spy_on_updates(monkeypatch), [], P.score
+    monkeypatch.setattr(P, "score", lambda *a: scored.append(real_score(*a)) or scored[-1])
     sources = dict(reward_model_path=[tiny["gpt2_rm"], tiny["other_rm"]], reward_fn=[f"{__file__}:num_words"])
-    runs = {"all": dict(**sources, reward_weights=[0.5, 0.3, -0.2]), "rms": dict(reward_model_path=sources[
-        "reward_model_path"]), "rm0": dict(reward_model_path=sources["reward_model_path"][:1]),
-            "rm1": dict(reward_model_path=sources["reward_model_path"][1:]),
+    rms = sources["reward_model_path"]
+    runs = {"all": dict(**sources, reward_weights=[0.5, 0.3, -0.2]), "rms": dict(reward_model_path=rms,
+                                                                                 eval_dataset=tiny["txt"]),
+            "rm0": dict(reward_model_path=rms[:1]), "rm1": dict(reward_model_path=rms[1:]),
             "fn0": dict(reward_model_path=None, reward_fn=sources["reward_fn"])}
-    batches, metrics = {}, {}
+    batches, metrics, last_scored = {}, {}, {}
     for name, flags in runs.items():
         args = run_args(tiny, tmp_path / name, total_episodes=8, stop_token_id=5, seed=3, **flags)
         P.main(args)
-        batches[name], metrics[name] = calls[-1][0], read_metrics(args.output_dir)[0]
+        batches[name], metrics[name], last_scored[name] = calls[-1][0], read_metrics(args.output_dir)[0], scored[-1]
     assert all(torch.equal(b["query_responses"], batches["all"]["query_responses"]) for b in batches.values())
     alone = torch.stack([batches[name]["raw_scores"] for name in ("rm0", "rm1", "fn0")], 1)  # (B, 3)
     assert torch.allclose(batches["all"]["source_scores"], alone, atol=1e-6)
@@ -819,7 +822,12 @@ def test_several_reward_sources_give_the_weighted_score_and_log_their_spread(tin
     spread = ((alone[:, 0] - alone[:, 1]).abs() / 2).mean().item()
     assert m["objective/rm_spread"] == pytest.approx(spread, abs=1e-6) == metrics["rms"]["objective/rm_spread"]
     assert "objective/rm_spread" not in metrics["rm0"] and "objective/raw_scores/rm0" not in metrics["rm0"]
-    assert f"rm_spread {spread:.3f}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"rm_spread {spread:.3f}" in out
+    held_out = last_scored["rms"]["source_scores"]  # the evaluation after the last update: the .txt file's 3 prompts
+    assert len(held_out) == 3 and metrics["rms"]["eval/rm_spread"] == pytest.approx(
+        ((held_out[:, 0] - held_out[:, 1]).abs() / 2).mean().item(), abs=1e-6)
+    assert f"rm_spread {metrics['rms']['eval/rm_spread']:.3f}  (held-out" in out
 
 
 @pytest.mark.parametrize("dtype,gradient_checkpointing", [("bf16", False), ("fp16", False), ("fp32", True)])
