@@ -1533,15 +1533,16 @@ def torchrun(*args, timeout=300):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode):
     out = str(tmp_path / mode)
-    flags = ["--model_name_or_path", tiny["gpt2"], "--reward_model_path", tiny["gpt2_rm"], "--dataset", tiny["prompts"],
-             "--output_dir", out, "--total_episodes", "32", "--per_device_train_batch_size", "8",
-             "--num_mini_batches", "2", "--num_ppo_epochs", "2", "--response_length", "6",
-             "--num_sample_generations", "0", "--save_every", "1", "--distributed", mode]
+    flags = ["--model_name_or_path", tiny["gpt2"], "--reward_model_path", tiny["gpt2_rm"], tiny["other_rm"],
+             "--dataset", tiny["prompts"], "--output_dir", out, "--total_episodes", "32",
+             "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
+             "--response_length", "6", "--num_sample_generations", "0", "--save_every", "1", "--distributed", mode]
     flags += ["--shard_frozen_models"] if mode == "fsdp" else []
     result = torchrun(*flags)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["episode"] for m in metrics] == [16, 32]  # 2 ranks x 8 prompts per update, one line per update
+    assert all(m["objective/rm_spread"] > 0 for m in metrics)  # two reward models, one with its own tokenizer
     assert result.stdout.count("update 1/2 ") == 1 and "2 processes" in result.stdout  # rank 0 alone prints
     check_run(out, tiny["gpt2"], metrics, value_init=tiny["gpt2_rm"])
     assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "metrics.jsonl", "policy",
