@@ -87,9 +87,9 @@ class Args:
     `builtin`: with the built-in task its 20 held-out sums (it trains on the other 80), else none; None: none"""
     eval_temperature: float = 0.0
     """sampling temperature of the evaluation (0: greedy)"""
-    health_window: int = 20
+    health_window: int = 50
     """training-health hints (stderr, one line naming the flag to change) judge the last this many updates, and each
-    is printed at most once per this many (0: none)"""
+    is printed at most once per this many (0: none); a shorter window also sees a slow start as trouble"""
     save_every: int = 0
     """write a resumable checkpoint into output_dir every this many updates (0: only when stopped by a signal)"""
     save_total_limit: int = 2
