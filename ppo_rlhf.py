@@ -1128,7 +1128,8 @@ def load_models(args, model_path, inputs, rt):
         reward_models.append((reward_model.requires_grad_(False).eval().to(rt.device, rt.low_dtype), reward_tokenizer))
     value_model, value_source = load_value_model(args, model_path, tokenizer, bool(reward_models) and
                                                  reward_models[0][1] is None, base_paths, rt)
-    num_sources = len(reward_models) + len(inputs.reward_fns)
+    num_sources, builtin_reward = len(reward_models) + len(inputs.reward_fns), inputs.reward_fns == [
+        (addition_reward, "addition_reward")]
     policy.to(rt.device)
     # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
     # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
@@ -1140,8 +1141,7 @@ def load_models(args, model_path, inputs, rt):
         ref_head = output_layer(ref_policy)
     return SimpleNamespace(tokenizer=tokenizer, stop_token_id=stop_token_id, policy=policy, ref_policy=ref_policy,
                            value_model=value_model, value_source=value_source, reward_models=reward_models,
-                           reward_fns=inputs.reward_fns, builtin_reward=inputs.reward_fns == [(addition_reward,
-                                                                                              "addition_reward")],
+                           reward_fns=inputs.reward_fns, builtin_reward=builtin_reward,
                            reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
                                                        device=rt.device),
                            policy_head=policy_head, ref_head=ref_head, base_paths=base_paths)
@@ -1805,7 +1805,7 @@ def update_metrics(batch, trained, models, args, rt):
     if trained.stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
         averaged["policy/first_ratio"] = trained.stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = trained.stats["policy/approxkl_avg"][0]
-    if models.builtin_reward:  # the built-in task: exactly the sum, then EOS
+    if models.builtin_reward:  # the built-in task: the share of answers that score 1
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
     num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # (B, S): the reward models first
     sources = [f"rm{j}" for j in range(num_rms)] + [f"fn{j}" for j in range(len(models.reward_fns))]
@@ -1823,9 +1823,9 @@ def update_metrics(batch, trained, models, args, rt):
 def health_hints(window, args, has_stop_token):
     """Signs of trouble in the metrics of the last updates (window: their dicts, oldest first, at most
     --health_window). -> {hint: one line naming the flag to change}. Thresholds, all quiet on the default run: most
-    importance ratios of an update outside [1 − ε, 1 + ε] (> 50%); the KL to the reference up by > 50% (and > 0.1)
-    from the window's first half to its second while the mean score did not rise; >= 90% of responses cut off at
-    --response_length in every update of the window (with a stop token)."""
+    importance ratios of an update outside [1 − ε, 1 + ε] (> 50%); the KL to the reference up by > 50% (and by
+    > 0.1 nats) from the window's first half to its second while the mean score did not rise; >= 90% of responses
+    cut off at --response_length in every update of the window (with a stop token)."""
     hints, last, n = {}, window[-1], len(window)
     outside = last.get("policy/ratio_outside_clip_avg", 0.0)  # absent when no minibatch trained
     if outside > 0.5:
