@@ -1297,6 +1297,7 @@ def hint_window(kl, scores, truncated, outside=0.1):
 
 
 def test_health_hints_fire_on_their_bad_cases_and_only_there():
+    """Each hint on a constructed window just past its threshold, and silent just short of it."""
     args, hints = P.Args(health_window=4, response_length=6), P.health_hints
     healthy = hint_window([1, 1.1, 1.2, 1.3], [0.1, 0.2, 0.3, 0.4], [0.5, 0.9, 1.0, 0.2])
     assert hints(healthy, args, True) == {}
