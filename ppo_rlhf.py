@@ -622,12 +622,12 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
                 logprobs=torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated]))
 
 
-def score(models, batch, prompts, rows, args, rt):
+def score(models, batch, prompts, rows, args, rt, scores_only=False):
     """Phase 2: a no-grad forward of each frozen model over prompt + response, each chunk of rows cut to its longest
     real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on padding), the completions' text, source_scores
     (B, S): each reward model's at the last real token (or on the text, with its own tokenizer), then each reward
     function's, and raw_scores (B,) = source_scores · w. With bf16/fp16, log π_old is recomputed by the training
-    forward: the first ratio is then exactly 1."""
+    forward: the first ratio is then exactly 1. scores_only (the evaluation): no reference, value or policy forward."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
     logprobs = batch["logprobs"]  # (B, R), the sampler's; recomputed below under bf16/fp16
     ref_logprobs, values = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, R)
@@ -638,13 +638,13 @@ def score(models, batch, prompts, rows, args, rt):
             rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # cut to the longest real response
             width = context_length + L
             ids, ids_mask = batch["query_responses"][rows_i, :width], batch["attention_mask"][rows_i, :width]
-            if models.ref_policy is not None:
+            if models.ref_policy is not None and not scores_only:
                 with reference_weights(models, args):
                     ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
                                                                  args.temperature, models.ref_head)[0]
-            if models.value_model is not None:
+            if models.value_model is not None and not scores_only:
                 values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, context_length)
-            if rt.low_dtype:
+            if rt.low_dtype and not scores_only:
                 logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask, context_length,
                                                          args.temperature, models.policy_head)[0]
             for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
@@ -707,7 +707,7 @@ def evaluate(models, prompts, update, args, rt):
     queries, query_mask = left_pad([prompts.ids[r] for r in rows], models.tokenizer.pad_token_id)
     queries, query_mask = queries.to(rt.device), query_mask.to(rt.device)
     batch = rollout(models, queries, query_mask, args, rt, args.eval_temperature, generator)
-    scored = score(models, batch, prompts, rows, args, rt)
+    scored = score(models, batch, prompts, rows, args, rt, scores_only=True)
     metrics = {"eval/score": (scored["raw_scores"] * real).sum(),
                "eval/response_length": (batch["lengths"] * real).sum()}
     if models.ref_policy is not None:

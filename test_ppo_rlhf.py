@@ -798,7 +798,7 @@ def test_several_reward_sources_give_the_weighted_score_and_log_their_spread(tin
     metrics hold each source's mean and the reward models' spread, mean over rows of std(s_rm0, s_rm1) = |s0 − s1|/2,
     also on the held-out prompts."""
     calls, scored, real_score = spy_on_updates(monkeypatch), [], P.score
-    monkeypatch.setattr(P, "score", lambda *a: scored.append(real_score(*a)) or scored[-1])
+    monkeypatch.setattr(P, "score", lambda *a, **kw: scored.append(real_score(*a, **kw)) or scored[-1])
     sources = dict(reward_model_path=[tiny["gpt2_rm"], tiny["other_rm"]], reward_fn=[f"{__file__}:num_words"])
     rms = sources["reward_model_path"]
     runs = {"all": dict(**sources, reward_weights=[0.5, 0.3, -0.2]), "rms": dict(reward_model_path=rms,
@@ -1006,10 +1006,22 @@ def test_evaluation_leaves_training_bit_identical(tiny, tmp_path):
     assert all(torch.equal(wa[n][k], wb[n][k]) for n in wa for k in wa[n])
 
 
-def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path):
+def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path, monkeypatch):
     """learning rate 0 keeps the policy at its start; the reference is another model. Greedy answers by a naive loop
     (a whole forward per token, argmax), their count_w1 scores, and the exact KL Σ_t Σ_v p·log(p/q) by full softmax
-    give eval/score, eval/kl and eval/response_length; samples.jsonl holds every prompt's answer."""
+    give eval/score, eval/kl and eval/response_length; samples.jsonl holds every prompt's answer. The evaluation runs
+    no value forward and no token-level log-prob forward (its KL has its own)."""
+    forwards, real_evaluate = [], P.evaluate
+    for name in ("state_values", "response_logprobs"):
+        monkeypatch.setattr(P, name, lambda *a, real=getattr(P, name), name=name: forwards.append(name) or real(*a))
+
+    def evaluate(*a):
+        start = len(forwards)
+        result = real_evaluate(*a)
+        assert len(forwards) == start, forwards[start:]
+        return result
+
+    monkeypatch.setattr(P, "evaluate", evaluate)
     reference = loaded(tiny, "gpt2")
     with torch.no_grad():
         for p in reference.parameters():
@@ -1021,6 +1033,7 @@ def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path):
                     temperature=0.8)
     P.main(args)
     m = read_metrics(args.output_dir)[-1]
+    assert {"state_values", "response_logprobs"} <= set(forwards)  # the training's scoring made them
     policy, tokenizer = loaded(tiny, "gpt2"), AutoTokenizer.from_pretrained(tiny["gpt2"])
     prompts = [line.strip() for line in open(tiny["txt"]) if line.strip()]
     scores, kls, lengths, answers = [], [], [], []
