@@ -382,6 +382,12 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator):
     return -log_ratio if kl_estimator == "k1" else log_ratio.exp() - 1 - log_ratio
 
 
+def reward_model_spread(source_scores, num_reward_models):
+    """The reward models' disagreement on each response (B,): the std (ddof 0) of their scores, the first
+    num_reward_models columns of source_scores (B, S). A policy that games one of them moves where they differ."""
+    return source_scores[:, :num_reward_models].std(1, correction=0)
+
+
 def shaped_scores(scores, lengths, std, args):
     """The sequence score shaped as the flags say, in this order: / std (--score_scaling running_std: the running
     standard deviation, see running_moments), clipped to ±--score_clip, − λ·length, − DAPO's overlong penalty
@@ -715,8 +721,8 @@ def evaluate(models, prompts, update, args, rt):
     if models.builtin_reward:
         metrics["eval/success_rate"] = ((scored["raw_scores"] == 1) * real).sum()
     num_rms = len(models.reward_models)
-    if num_rms > 1:  # as objective/rm_spread: the reward models' std on a response, mean over responses
-        metrics["eval/rm_spread"] = (scored["source_scores"][:, :num_rms].std(1, correction=0) * real).sum()
+    if num_rms > 1:  # as objective/rm_spread
+        metrics["eval/rm_spread"] = (reward_model_spread(scored["source_scores"], num_rms) * real).sum()
     totals = all_ranks_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in metrics.values()]))
     samples = [dict(update=update + 1, prompt=prompts.texts[r], completion=c, score=s) for r, c, s, keep in
                zip(rows, scored["completions"], scored["raw_scores"].tolist(), real.tolist()) if keep]
@@ -1811,8 +1817,8 @@ def update_metrics(batch, trained, models, args, rt):
     sources = [f"rm{j}" for j in range(num_rms)] + [f"fn{j}" for j in range(len(models.reward_fns))]
     if len(sources) > 1:  # each source's mean raw score
         averaged.update({f"objective/raw_scores/{name}": x.mean() for name, x in zip(sources, source_scores.T)})
-    if num_rms > 1:  # the reward models' disagreement: their std on a response, mean over responses
-        averaged["objective/rm_spread"] = source_scores[:, :num_rms].std(1, correction=0).mean()
+    if num_rms > 1:  # the reward models' disagreement, mean over responses
+        averaged["objective/rm_spread"] = reward_model_spread(source_scores, num_rms).mean()
     summed = {"val/num_eos_tokens": batch["contains_eos"].sum(), "rollout": mask.sum(),
               "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
     averaged, summed = reduce_over_ranks(averaged, summed, rt)
