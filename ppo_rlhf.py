@@ -49,6 +49,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections import defaultdict, deque
 from contextlib import contextmanager, nullcontext
@@ -63,7 +64,7 @@ import torch.nn.functional as F
 import tyro
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 
 # -------------------------------------------------------------------------------------------------------------- options
@@ -81,7 +82,8 @@ class Args:
     wandb_project_name: str = "ppo_rlhf"
     """wandb project, with --track"""
     num_sample_generations: int = 10
-    """this many times during training (0: never), print a few completions with their scores and evaluate"""
+    """this many times during training, print a few completions with their scores and evaluate (0: only after the
+    last update)"""
     eval_dataset: Optional[str] = "builtin"
     """held-out prompts (formats as --dataset), evaluated num_sample_generations times and after the last update:
     `builtin`: with the built-in task its 20 held-out sums (it trains on the other 80), else none; None: none"""
@@ -127,11 +129,12 @@ class Args:
     temperature: float = 1.0
     """sampling temperature T: the policy is softmax(logits / T), in rollout and in training"""
     stop_token: Optional[Literal["eos"]] = "eos"
-    """end responses at the tokenizer's EOS (None: always sample response_length tokens)"""
-    stop_token_id: Optional[int] = None
-    """end responses at this token id instead"""
+    """end responses at the tokenizer's EOS or an id of the policy's generation_config.eos_token_id (a chat model's
+    end of turn); None: always sample response_length tokens"""
+    stop_token_id: Optional[list[int]] = None
+    """end responses at any of these token ids instead (the pad token may be one of them)"""
     missing_eos_penalty: Optional[float] = None
-    """subtracted from the score of responses that contain no EOS"""
+    """subtracted from the score of responses that contain no stop id"""
     score_scaling: Literal["none", "running_std"] = "none"
     """running_std: divide each score by the running standard deviation of all scores so far (over all devices; the
     mean is not subtracted) (Zheng et al. 2023, "Secrets of RLHF", PPO-max)"""
@@ -227,7 +230,10 @@ class Args:
 
     # --- system
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """bf16/fp16: autocast forwards and backwards, fp32 master weights and optimizer; frozen models in that dtype"""
+    """bf16/fp16: autocast forwards and backwards. Trained weights and AdamW are fp32 whatever the checkpoint's
+    storage (16 bytes per parameter with gradients); frozen weights in this dtype (2 bytes, fp32: 4)"""
+    save_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
+    """dtype of the saved policy and value model (auto: the source checkpoint's); adapters and checkpoints stay fp32"""
     gradient_checkpointing: bool = False
     """recompute the policy's and value model's activations in the backward pass: less memory, ~1/3 more compute"""
 
@@ -242,12 +248,14 @@ class Args:
     """seconds a collective waits for the other ranks before the run fails (a hang then ends instead of stalling)"""
 
 
-# Every field is one of two kinds. Run-only fields change how a run is launched, stored or watched, never a number it
-# computes: a resumed run may change them. All the others are algorithmic: a checkpoint keeps them, and resuming with
-# another value is refused (a field the checkpoint predates counts as having had its default).
+# Every field is one of two kinds. Run-only fields change how a run is launched, stored or watched, not what it learns:
+# a resumed run may change them. They change no training number beyond rounding (--distributed and
+# --shard_frozen_models change the order of sums), and --eval_temperature changes the eval/ numbers only. All the
+# others are algorithmic: a checkpoint keeps them, and resuming with another value is refused (a field the checkpoint
+# predates counts as having had its default).
 RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
                    "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
-                   "dist_timeout_s", "merge_lora", "eval_temperature", "health_window"}
+                   "dist_timeout_s", "merge_lora", "eval_temperature", "health_window", "save_dtype"}
 
 
 # What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
@@ -264,7 +272,8 @@ FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradi
                "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
                                                                  "score_clip"]),
                "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
-               "a token id >= 0 (or unset)": (lambda v: v is None or v >= 0, ["stop_token_id"]),
+               "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
+                                                           ["stop_token_id"]),
                "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef",
                                                                "length_penalty", "overlong_penalty"])}
 
@@ -278,6 +287,8 @@ def check_args(args):
     """Every check that needs only the flags (and torchrun's WORLD_SIZE), before anything is loaded or started.
     -> the derived sizes. Per rank (`local_`): the rollout batch of local_batch_size prompts is split into
     num_mini_batches minibatches (one optimizer step each) of gradient_accumulation_steps micro-batches."""
+    if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
+        args.stop_token_id = [args.stop_token_id]
     for allowed, (ok, flags) in FLAG_RANGES.items():
         for flag in flags:  # NaN fails every comparison; inf is refused too
             value = getattr(args, flag)
@@ -365,11 +376,14 @@ def first_true_index(bools):
     return torch.where(bools, torch.arange(t, device=bools.device), t).min(-1).values
 
 
-def response_lengths(responses, stop_token_id):
-    """Real tokens per response: up to and including the first stop token, all of them if there is none."""
-    if stop_token_id is None:
-        return torch.full(responses.shape[:1], responses.shape[1], device=responses.device)
-    return (first_true_index(responses == stop_token_id) + 1).clamp(max=responses.shape[1])
+def is_stop(tokens, stop_token_ids):
+    """Which tokens are stop ids (a list of ints; none: no token is). Same shape as tokens."""
+    return torch.isin(tokens, torch.tensor(stop_token_ids, dtype=tokens.dtype, device=tokens.device))
+
+
+def response_lengths(responses, stop_token_ids):
+    """Real tokens per response: up to and including the first stop id, all of them if there is none."""
+    return (first_true_index(is_stop(responses, stop_token_ids)) + 1).clamp(max=responses.shape[1])
 
 
 def kl_estimate(logprobs, ref_logprobs, kl_estimator):
@@ -574,11 +588,11 @@ class PolicyAndValue(torch.nn.Module):
 
 
 # -------------------------------------------------------------------------------------------------- rollout and scoring
-def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_id, pad_token_id, sync_ranks=False,
+def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_ids, pad_token_id, sync_ranks=False,
              generator=None):
     """Sample y_t ~ softmax(z_t / T) with a KV cache: exactly the policy we train (no top-k/top-p); T = 0: the argmax
     (greedy; its log-probs are those of T = 1). -> responses and log π_old(y_t|s_t), (B, L ≤ max_new_tokens), pad ids
-    and 0 after a row's stop token. sync_ranks: a sharded policy's forward is a collective, so every rank steps until
+    and 0 after a row's first stop id. sync_ranks: a sharded policy's forward is a collective, so every rank steps until
     all are done. generator: the sampling's own random stream. Call under no_grad or inference_mode."""
     forward_signature = inspect.signature(base_model(policy).forward)  # a peft model's forward passes kwargs on
     cache_kw = "cache" if "cache" in forward_signature.parameters else "past_key_values"
@@ -595,8 +609,7 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
         token = token.masked_fill(done, pad_token_id)
         tokens.append(token)
         logprobs.append(logp.gather(1, token[:, None]).squeeze(1).masked_fill(done, 0.0))
-        if stop_token_id is not None:
-            done |= token == stop_token_id
+        done |= is_stop(token, stop_token_ids)
         if (all_ranks_sum((~done).sum()[None]) if sync_ranks else (~done).sum()) == 0:
             break
         ids, positions = token[:, None], positions[:, -1:] + 1
@@ -607,10 +620,10 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
 def rollout(models, queries, query_mask, args, rt, temperature=None, generator=None):
     """Phase 1: sample a response to each query (B, P) with the current policy π_old, keeping log π_old of each
     sampled token. -> the batch: query_responses (B, P + R), attention_mask, response_mask (B, R; True = real token,
-    the stop token included), lengths, contains_eos and truncated (B,; cut off before any stop token), logprobs (B, R;
-    0 on padding), context_length P.
+    the stop id included), lengths and truncated (B,; cut off before any stop id), logprobs (B, R; 0 on padding),
+    context_length P.
     temperature and generator: the evaluation's (default: --temperature and the global random stream)."""
-    chunk, pad, stop = args.local_rollout_forward_batch_size, models.tokenizer.pad_token_id, models.stop_token_id
+    chunk, pad, stop = args.local_rollout_forward_batch_size, models.tokenizer.pad_token_id, models.stop_token_ids
     with rt.no_grad(), rt.autocast(), gathered(models.policy, rt.fsdp and args.rollout_unshard):
         generated = [generate(models.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
                               args.temperature if temperature is None else temperature, stop, pad,
@@ -620,11 +633,10 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
     responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad) for r, _ in generated])
     lengths = response_lengths(responses, stop)
     response_mask = torch.arange(R, device=responses.device) < lengths[:, None]
-    truncated = ~((responses == stop) & response_mask).any(1) if stop is not None else lengths > 0  # stop not hit
+    truncated = ~(is_stop(responses, stop) & response_mask).any(1)  # no stop id: every response is cut off
     return dict(query_responses=torch.cat([queries, responses], 1), context_length=queries.shape[1],
                 attention_mask=torch.cat([query_mask, response_mask], 1), response_mask=response_mask,
                 lengths=lengths, truncated=truncated,
-                contains_eos=((responses == models.tokenizer.eos_token_id) & response_mask).any(1),
                 logprobs=torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated]))
 
 
@@ -633,7 +645,8 @@ def score(models, batch, prompts, rows, args, rt, scores_only=False):
     real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on padding), the completions' text, source_scores
     (B, S): each reward model's at the last real token (or on the text, with its own tokenizer), then each reward
     function's, and raw_scores (B,) = source_scores · w. With bf16/fp16, log π_old is recomputed by the training
-    forward: the first ratio is then exactly 1. scores_only (the evaluation): no reference, value or policy forward."""
+    forward: the first ratio is then 1 (exactly on CPU; CUDA kernels picked by batch shape may differ in the last
+    bits). scores_only (the evaluation): no reference, value or policy forward."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
     logprobs = batch["logprobs"]  # (B, R), the sampler's; recomputed below under bf16/fp16
     ref_logprobs, values = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, R)
@@ -670,7 +683,7 @@ def score(models, batch, prompts, rows, args, rt, scores_only=False):
     if models.ref_policy is None:  # --kl_coef 0: π_ref stands in as π_old, so every KL estimate is 0
         ref_logprobs = logprobs
     return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
-                values=values, completions=completions, source_scores=source_scores,
+                values=values.masked_fill(~mask, 0.0), completions=completions, source_scores=source_scores,
                 raw_scores=(source_scores * models.reward_weights).sum(1))
 
 
@@ -679,18 +692,26 @@ def reference_weights(models, args):
     return models.ref_policy.disable_adapter() if args.lora_r else nullcontext()
 
 
+def reward_text(reward_tokenizer, prompts, r, completion):
+    """Prompt r + completion as a reward model with its own tokenizer reads it: a chat prompt through its chat
+    template, if it has one."""
+    if prompts.messages[r] is not None and reward_tokenizer.chat_template:
+        turns = prompts.messages[r] + [{"role": "assistant", "content": completion}]
+        return reward_tokenizer.apply_chat_template(turns, tokenize=False)
+    return prompts.texts[r] + completion
+
+
 def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
-    """Scores (B,) of a reward model with its own tokenizer, which reads prompt + completion as text (a chat prompt
-    through its chat template, if it has one). A decoder's `score` head is read at the last real token; an encoder
-    classifier pools by itself."""
-    def text(r, c):
-        if prompts.messages[r] is not None and reward_tokenizer.chat_template:
-            return reward_tokenizer.apply_chat_template(prompts.messages[r] + [{"role": "assistant", "content": c}],
-                                                        tokenize=False)
-        return prompts.texts[r] + c
+    """Scores (B,) of a reward model with its own tokenizer, which reads prompt + completion as text (reward_text). A
+    decoder's `score` head is read at the last real token; an encoder classifier pools by itself."""
     device = next(reward_model.parameters()).device
-    enc = reward_tokenizer([text(r, c) for r, c in zip(rows, completions)], padding=True, return_tensors="pt",
-                           add_special_tokens=prompts.messages[rows[0]] is None).to(device)
+    enc = reward_tokenizer([reward_text(reward_tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
+                           padding=True, return_tensors="pt", add_special_tokens=prompts.messages[rows[0]] is None)
+    context = getattr(reward_model.config, "max_position_embeddings", None)
+    if context and enc["input_ids"].shape[1] > context:
+        fail(f"--reward_model_path {reward_model.name_or_path!r}: prompt + response is {enc['input_ids'].shape[1]} of "
+             f"its tokens, more than its context of {context}; lower --response_length")
+    enc = enc.to(device)
     mask = enc["attention_mask"].bool()
     if not hasattr(reward_model, "score"):
         return reward_model(**enc).logits[:, 0].float()
@@ -731,17 +752,36 @@ def evaluate(models, prompts, update, args, rt):
 
 def exact_kl(models, batch, args, rt):
     """Σ_t Σ_v π_θ(v|s_t)·(log π_θ(v|s_t) − log π_ref(v|s_t)) per response (B,), at --temperature, over its real
-    tokens: the KL itself, not a one-sample estimate. Makes (chunk, R, V) logits: for the small evaluation set."""
-    kl, mask, chunk = [], batch["response_mask"], args.local_rollout_forward_batch_size
+    tokens: the KL itself, not a one-sample estimate. Within the log-prob chunk budget: with both output layers usable,
+    from the last hidden states of each rollout chunk, logprobs_chunk_rows(V) real positions at a time; else (an
+    FSDP-sharded model, a logit transform) from the logits of as few sequences as fit a chunk, at least one."""
+    mask, T = batch["response_mask"], args.temperature
     ids, ids_mask, R = batch["query_responses"][:, :-1], batch["attention_mask"][:, :-1], mask.shape[1]
+    vocab_size = models.policy.get_output_embeddings().weight.shape[0]
+    fused = models.policy_head is not None and models.ref_head is not None
+    chunk = args.local_rollout_forward_batch_size if fused else max(1, logprobs_chunk_rows(vocab_size) // R)
+    kl = torch.zeros(mask.shape, device=mask.device)  # (B, R)
     with rt.no_grad(), rt.autocast():
         for i in range(0, len(ids), chunk):
             rows = slice(i, i + chunk)
-            logp = forward(models.policy, ids[rows], ids_mask[rows], R).float().div(args.temperature).log_softmax(-1)
+            if not fused:
+                logp = forward(models.policy, ids[rows], ids_mask[rows], R).float().div(T).log_softmax(-1)
+                with reference_weights(models, args):
+                    ref = forward(models.ref_policy, ids[rows], ids_mask[rows], R).float().div(T).log_softmax(-1)
+                kl[rows] = (logp.exp() * (logp - ref)).sum(-1)
+                continue
+            x = last_hidden(models.policy, ids[rows], ids_mask[rows], R)[mask[rows]]  # (N, H): real positions
             with reference_weights(models, args):
-                ref = forward(models.ref_policy, ids[rows], ids_mask[rows], R).float().div(args.temperature)
-            kl.append((logp.exp() * (logp - ref.log_softmax(-1))).sum(-1))
-    return torch.where(mask, torch.cat(kl), 0.0).sum(1)
+                x_ref = last_hidden(models.ref_policy, ids[rows], ids_mask[rows], R)[mask[rows]]
+            kl_rows, n, head, ref_head = [], logprobs_chunk_rows(vocab_size), models.policy_head, models.ref_head
+            for s in range(0, len(x), n):  # two (n, V) float32 tensors at a time, worked on in place
+                logp = chunk_logits(x[s : s + n], head.weight, head.bias, T)
+                logp -= logp.logsumexp(-1, keepdim=True)
+                ref = chunk_logits(x_ref[s : s + n], ref_head.weight, ref_head.bias, T)
+                ref = ref.sub_(ref.logsumexp(-1, keepdim=True)).neg_().add_(logp)  # log π − log π_ref
+                kl_rows.append(logp.exp_().mul_(ref).sum(-1))
+            kl[rows] = kl[rows].masked_scatter(mask[rows], torch.cat(kl_rows))
+    return torch.where(mask, kl, 0.0).sum(1)
 
 
 # ------------------------------------------------------------------------------------------------------- the PPO update
@@ -750,7 +790,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
     gradient_accumulation_steps micro-batches. The loss is that of the whole minibatch on all ranks: a micro-batch's
     is weighted by its share of the minibatch's tokens (token means) or responses (--loss_agg by response), times
     world_size (DDP and FSDP average the ranks' gradients). -> stats (lists per micro-batch), stop_reason,
-    optimizer_steps, train_tokens."""
+    optimizer_steps (the steps taken: not those GradScaler skipped), train_tokens."""
     lengths, context_length = batch["lengths"], batch["context_length"]
     params = [p for p in model.parameters() if p.requires_grad]
     stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
@@ -783,7 +823,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                         loss = loss + args.vf_coef * vf_loss * token_share
                     non_finite += ~torch.isfinite(loss)  # voted on by all ranks below: one rank alone would hang
                     scaler.scale(loss).backward()
-                update_stats(stats, mb, new_logprobs, entropy, args.cliprange, losses)
+                update_stats(stats, mb, new_logprobs, entropy, args.cliprange, args.cliprange_high, losses)
                 mb_approxkl.append(losses["policy/approxkl_avg"].detach())
                 train_tokens += batch["attention_mask"][rows, :width].sum().item()
             # early stop and the non-finite vote use every rank's numbers, so that all ranks take the same path
@@ -792,9 +832,9 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
             if grad_norm is None:
                 stop_reason = "non-finite loss" if non_finite else "non-finite gradient"
                 break
-            if torch.isfinite(grad_norm):  # fp16: GradScaler skipped a step with inf gradients and lowered its scale
+            if torch.isfinite(grad_norm):  # else (fp16) GradScaler skipped the step and lowered its scale
                 stats["policy/grad_norm"].append(grad_norm.float())
-            optimizer_steps += 1
+                optimizer_steps += 1
             if args.target_kl is not None and approxkl_sum / rt.world_size > args.target_kl:
                 stop_reason = "target_kl"
                 break
@@ -856,11 +896,13 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm):
 
 
 @torch.no_grad()
-def update_stats(stats, mb, new_logprobs, entropy, cliprange, losses):
-    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`."""
+def update_stats(stats, mb, new_logprobs, entropy, cliprange, cliprange_high, losses):
+    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`. The share of ratios
+    outside the clip is of [1 − ε, 1 + ε_high], whatever the sign of A."""
     ratio, mask = (new_logprobs - mb["logprobs"]).exp(), mb["response_mask"]
+    outside = (ratio < 1 - cliprange) | (ratio > 1 + (cliprange_high or cliprange))
     for key, value in {**losses, "policy/entropy_avg": masked_mean(entropy, mask),
-                       "policy/ratio_outside_clip_avg": masked_mean(((ratio - 1).abs() > cliprange).float(), mask),
+                       "policy/ratio_outside_clip_avg": masked_mean(outside.float(), mask),
                        "val/ratio": masked_mean(ratio, mask), "val/ratio_var": masked_var(ratio, mask)}.items():
         stats[key].append(value.detach().float())
 
@@ -884,7 +926,8 @@ def main(args: Args):
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
     log = Logger(args, output_dir, sizes, rt, len(prompts.texts), models)
-    start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log)
+    start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log,
+                                    models.stop_token_ids)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     for update in range(start_update, sizes.num_updates):
         clock = Clock()
@@ -905,8 +948,8 @@ def main(args: Args):
         # 2. score: log π_ref and V(s_t) of every response token, and the score of each response
         batch.update(score(models, batch, prompts, rows, args, rt))
         scores = batch["raw_scores"]  # (B,)
-        if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * (~batch["contains_eos"]).float()
+        if args.missing_eos_penalty is not None:  # responses without a stop id
+            scores = scores - args.missing_eos_penalty * batch["truncated"].float()
         std = 1.0
         if args.score_scaling == "running_std":  # moments of the global batch (all ranks)
             mean, var = global_mean_var(scores, torch.ones_like(scores, dtype=torch.bool))
@@ -956,12 +999,12 @@ def main(args: Args):
         stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # a signal on any rank
         if stop or (args.save_every and (update + 1) % args.save_every == 0):
             saved = save_checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, model, optimizer,
-                                    lr_scheduler, scaler, args, rt)
+                                    lr_scheduler, scaler, args, rt, models.stop_token_ids)
             if stop:
                 log.print(f"saved {saved}; continue with the same flags plus --resume auto")
                 return log.last
-    save_final(model, models, args, output_dir, rt)
-    log.finish(f"saved policy{' and value model' if models.value_model is not None else ''} to {output_dir}")
+    written = save_final(model, models, args, output_dir, rt)
+    log.finish(f"saved {written} to {output_dir}")
     return log.last
 
 
@@ -987,13 +1030,14 @@ def from_pretrained(cls, path, flag, args, **kwargs):
         fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
 
 
-def load_pretrained(cls, path, flag, args, new_head=False, **kwargs):
-    """A model with dropout off (it would make the training forward disagree with the rollout's π_old). Weights the
-    checkpoint lacks (or has in excess) get one warning line instead of transformers' load report; new_head: a new
-    `score` head is expected (a value model started from a causal LM), and model.new_head says if it was made."""
-    base = adapter_base(path)
+def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, **kwargs):
+    """A model in `dtype` whatever its storage dtype (transformers >= 5 would keep the storage's), with dropout off (it
+    would make the training forward disagree with the rollout's π_old). Weights the checkpoint lacks (or has in excess)
+    get one warning line instead of transformers' load report; new_head: a new `score` head is expected (a value model
+    started from a causal LM), and model.new_head says if it was made."""
+    base = adapter_base(path, flag)
     if base:  # an adapter checkpoint (peft): its base model with the adapter merged in
-        model = load_pretrained(cls, base, flag, args, new_head, **kwargs)
+        model = load_pretrained(cls, base, flag, args, dtype, new_head, **kwargs)
         peft = import_peft(f"--{flag} {path!r} (an adapter)")
         return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
     config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
@@ -1007,7 +1051,7 @@ def load_pretrained(cls, path, flag, args, new_head=False, **kwargs):
     transformers_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
     transformers_log.addFilter(no_report)
     try:
-        model, info = from_pretrained(cls, path, flag, args, config=config, output_loading_info=True)
+        model, info = from_pretrained(cls, path, flag, args, config=config, output_loading_info=True, dtype=dtype)
     finally:
         transformers_log.removeFilter(no_report)
     missing = [k for k in info["missing_keys"] if not (new_head and k.startswith("score."))]
@@ -1022,13 +1066,17 @@ def load_pretrained(cls, path, flag, args, new_head=False, **kwargs):
     return model
 
 
-def adapter_base(path):
+def adapter_base(path, flag="model_name_or_path"):
     """The base model that an adapter checkpoint folder names in its adapter_config.json; None for a model."""
     config = os.path.join(os.path.expanduser(path), "adapter_config.json")
     if not os.path.isfile(config):
         return None
-    with open(config) as f:
-        return json.load(f)["base_model_name_or_path"]
+    try:
+        with open(config) as f:
+            return json.load(f)["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"--{flag} {path!r}: its adapter_config.json cannot be read ({type(e).__name__}: {e}); give a model or a "
+             "peft adapter folder")
 
 
 def ensure_pad_token(tokenizer):
@@ -1073,16 +1121,17 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
             fail("--track needs `pip install wandb`")
     if args.lora_r:
         import_peft("--lora_r")
-    configs = {}
+    configs, sources = {}, {}  # {flag: config}, {path: config} of every model
     for flag, path in (("model_name_or_path", model_path), ("ref_model_path", args.ref_model_path),
                        ("value_model_path", args.value_model_path)):
-        base = path and adapter_base(path)
+        base = path and adapter_base(path, flag)
         if base:  # an adapter checkpoint: peft, and its base's config
             import_peft(f"--{flag} {path!r} (an adapter)")
         if path:
-            configs[flag] = from_pretrained(AutoConfig, base or path, flag, args)
+            configs[flag] = sources[base or path] = from_pretrained(AutoConfig, base or path, flag, args)
+    reward_configs = {}
     for path in args.reward_model_path or []:
-        reward_config = from_pretrained(AutoConfig, path, "reward_model_path", args)
+        reward_config = reward_configs[path] = from_pretrained(AutoConfig, path, "reward_model_path", args)
         kind = (reward_config.architectures or [type(reward_config).__name__])[0]
         if reward_config.architectures and not kind.endswith("ForSequenceClassification"):
             fail(f"--reward_model_path {path!r} is a {kind} checkpoint, which has no reward head; give a sequence "
@@ -1090,50 +1139,130 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
         if reward_config.num_labels != 1:
             fail(f"--reward_model_path {path!r} is a {kind} with {reward_config.num_labels} labels; a reward model "
                  "has 1")
+    sources.update(reward_configs)
+    stored_dtypes = {path: stored_dtype(path, config) for path, config in sources.items()}  # --save_dtype auto
+    bf16_stored = [path for path, dtype in stored_dtypes.items() if dtype == torch.bfloat16]
+    if args.dtype == "fp16" and bf16_stored and int(os.environ.get("RANK", 0)) == 0:
+        print(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype fp16 can overflow "
+              "where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
     base = adapter_base(model_path)
     has_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
     tokenizer_path = base if base and not has_tokenizer else model_path  # an adapter without a tokenizer: its base's
     tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args))
-    context = getattr(configs["model_name_or_path"], "max_position_embeddings", None)
+    policy_config = configs["model_name_or_path"]
+    stop_token_ids = resolve_stop_token_ids(args, tokenizer, base or model_path, policy_config)
+    context = getattr(policy_config, "max_position_embeddings", None)
     prompts = load_prompts(dataset, args, tokenizer, context)
     eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
+    reward_tokenizers = []  # each reward model's own tokenizer, or None where it reads the policy's token ids
+    for path in args.reward_model_path or []:
+        reward_tokenizer = from_pretrained(AutoTokenizer, path, "reward_model_path", args)
+        if tokenizer.get_vocab().items() >= reward_tokenizer.get_vocab().items():
+            reward_tokenizer = None  # same vocabulary: it scores the policy's token ids directly
+        elif reward_tokenizer.pad_token is None:
+            reward_tokenizer.pad_token = reward_tokenizer.eos_token
+        reward_tokenizers.append(reward_tokenizer)
+        for p in [prompts] + ([eval_prompts] if eval_prompts else []):
+            check_reward_context(path, reward_configs[path], reward_tokenizer, p, args)
     reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
     if not reward_fns and not args.reward_model_path:  # check_args allows it with the built-in prompts only
         reward_fns = [(addition_reward, "addition_reward")]
-    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fns=reward_fns)
+    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fns=reward_fns,
+                           reward_tokenizers=reward_tokenizers, stop_token_ids=stop_token_ids,
+                           stored_dtypes=stored_dtypes)
+
+
+def stored_dtype(path, config):
+    """The dtype a checkpoint's weights are stored in: its config's, read before loading (a loaded model's config says
+    the dtype it was loaded in), else its first tensor's (a local safetensors folder). None if neither says."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if dtype is None and os.path.isdir(os.path.expanduser(path)):
+        files = sorted(f for f in os.listdir(os.path.expanduser(path)) if f.endswith(".safetensors"))
+        if files:
+            from safetensors import safe_open
+            with safe_open(os.path.join(os.path.expanduser(path), files[0]), "pt") as f:
+                keys = list(f.keys())
+                dtype = keys and {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(
+                    f.get_slice(keys[0]).get_dtype())
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def resolve_stop_token_ids(args, tokenizer, path, config):
+    """The ids that end a response: --stop_token_id; with --stop_token eos the tokenizer's EOS and every id of the
+    policy's generation_config.eos_token_id (transformers derives it from config.json where there is no
+    generation_config.json); else none. Only eos_token_id is read: sampling ignores the generation config."""
+    if args.stop_token_id is not None:
+        ids = list(args.stop_token_id)
+    elif args.stop_token == "eos":
+        try:
+            generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json
+            generation_config = GenerationConfig.from_model_config(config)
+        eos = generation_config.eos_token_id
+        ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])]
+    else:
+        ids = []
+    ids = list(dict.fromkeys(i for i in ids if i is not None))  # in order, once each
+    vocab_size = max(len(tokenizer), getattr(config.get_text_config(), "vocab_size", 0) or 0)
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        fail(f"--stop_token_id {outside}: not in the policy's vocabulary [0, {vocab_size})")
+    if not ids and (args.mask_truncated_completions or args.missing_eos_penalty is not None):
+        flag = "--mask_truncated_completions" if args.mask_truncated_completions else "--missing_eos_penalty"
+        fail(f"{flag} needs a stop id, and there is none (--stop_token None): every response would count as cut off")
+    return ids
+
+
+def check_reward_context(path, config, reward_tokenizer, prompts, args):
+    """Prompt + --response_length must fit a reward model's context (max_position_embeddings): its longest prompt in
+    the policy's tokens, or rendered by the reward model's own tokenizer."""
+    context = getattr(config, "max_position_embeddings", None)
+    if not context:
+        return
+    if reward_tokenizer is None:
+        longest = max(len(ids) for ids in prompts.ids)
+    else:
+        longest = max(len(reward_tokenizer(reward_text(reward_tokenizer, prompts, r, ""),
+                                           add_special_tokens=prompts.messages[r] is None)["input_ids"])
+                      for r in range(len(prompts.texts)))
+    if longest + args.response_length > context:
+        fail(f"--reward_model_path {path!r}: a prompt of {longest} tokens and --response_length {args.response_length} "
+             f"exceed its context of {context}; shorten the prompts or --response_length")
 
 
 def load_models(args, model_path, inputs, rt):
-    """Every model, on rt.device: the policy and the value model (trained, fp32), the reference policy (default: a copy
-    of the initial policy), the reward models, and the reward functions and weights of all sources. Frozen models are
-    held in the autocast dtype; a reward model whose vocabulary differs from the policy's keeps its tokenizer."""
-    tokenizer = inputs.tokenizer
-    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
-        tokenizer.eos_token_id if args.stop_token == "eos" else None)
-    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args)
+    """Every model, on rt.device. Trained weights are fp32 whatever the checkpoint's storage dtype (fp32 master
+    weights: a bf16 copy would round away most small updates): the policy and the value model, with LoRA their
+    adapters and the value head. Frozen weights are held in --dtype's precision: the reference policy (default: a
+    copy of the initial policy), the reward models, and with LoRA the base of the policy and the value model."""
+    tokenizer, frozen_dtype = inputs.tokenizer, rt.low_dtype or torch.float32
+    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args,
+                             frozen_dtype if args.lora_r else torch.float32)
     base_paths = {"policy": stable_path(args, model_path, model_path, fit_tokenizer(policy, tokenizer))}
+    source_dtypes = {"policy": inputs.stored_dtypes[adapter_base(model_path) or model_path]}
     if args.lora_r:
         policy = add_lora(policy, args)
     ref_policy = None  # --kl_coef 0: no KL, no reference model
     if args.kl_coef and args.lora_r:
         ref_policy = policy  # the same weights: score() switches the adapter off
     elif args.kl_coef:
-        ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args)
+        ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args, frozen_dtype)
                       if args.ref_model_path else copy.deepcopy(policy))
         fit_tokenizer(ref_policy, tokenizer)
-        ref_policy.requires_grad_(False).eval().to(rt.device, rt.low_dtype)
+        ref_policy.requires_grad_(False).eval().to(rt.device, frozen_dtype)
     reward_models = []  # (model, its tokenizer, or None if it reads the policy's token ids)
-    for path in args.reward_model_path or []:
-        reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args)
-        reward_tokenizer = from_pretrained(AutoTokenizer, path, "reward_model_path", args)
-        if tokenizer.get_vocab().items() >= reward_tokenizer.get_vocab().items():
-            reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
+    for path, reward_tokenizer in zip(args.reward_model_path or [], inputs.reward_tokenizers):
+        reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args,
+                                       frozen_dtype)
+        if reward_tokenizer is None:
             fit_tokenizer(reward_model, tokenizer)
-        elif reward_tokenizer.pad_token is None:
-            reward_tokenizer.pad_token = reward_tokenizer.eos_token
-        reward_models.append((reward_model.requires_grad_(False).eval().to(rt.device, rt.low_dtype), reward_tokenizer))
-    value_model, value_source = load_value_model(args, model_path, tokenizer, bool(reward_models) and
-                                                 reward_models[0][1] is None, base_paths, rt)
+        reward_models.append((reward_model.requires_grad_(False).eval().to(rt.device, frozen_dtype), reward_tokenizer))
+    value_model, value_source, value_path = load_value_model(args, model_path, tokenizer, bool(reward_models) and
+                                                             reward_models[0][1] is None, base_paths, rt)
+    if value_model is not None:
+        source_dtypes["value_model"] = inputs.stored_dtypes[adapter_base(value_path) or value_path]
     num_sources, builtin_reward = len(reward_models) + len(inputs.reward_fns), inputs.reward_fns == [
         (addition_reward, "addition_reward")]
     policy.to(rt.device)
@@ -1145,22 +1274,25 @@ def load_models(args, model_path, inputs, rt):
         ref_head = policy_head
     elif ref_policy is not None and not (rt.fsdp and args.shard_frozen_models):
         ref_head = output_layer(ref_policy)
-    return SimpleNamespace(tokenizer=tokenizer, stop_token_id=stop_token_id, policy=policy, ref_policy=ref_policy,
-                           value_model=value_model, value_source=value_source, reward_models=reward_models,
-                           reward_fns=inputs.reward_fns, builtin_reward=builtin_reward,
+    return SimpleNamespace(tokenizer=tokenizer, stop_token_ids=inputs.stop_token_ids, policy=policy,
+                           ref_policy=ref_policy, value_model=value_model, value_source=value_source,
+                           reward_models=reward_models, reward_fns=inputs.reward_fns, builtin_reward=builtin_reward,
                            reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
                                                        device=rt.device),
-                           policy_head=policy_head, ref_head=ref_head, base_paths=base_paths)
+                           policy_head=policy_head, ref_head=ref_head, base_paths=base_paths,
+                           source_dtypes=source_dtypes)
 
 
 def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, base_paths, rt):
-    """The value model (trained, fp32) and where it came from; none for a value-free --advantage_estimator. It reads
-    the policy's token ids: it starts from the (first) reward model only if that shares the policy's vocabulary."""
+    """The value model (trained, fp32; with LoRA its base frozen in --dtype's precision), where it came from, and its
+    path; none for a value-free --advantage_estimator. It reads the policy's token ids: it starts from the (first)
+    reward model only if that shares the policy's vocabulary."""
     if args.advantage_estimator != "gae":
-        return None, f"no value model (--advantage_estimator {args.advantage_estimator})"
+        return None, f"no value model (--advantage_estimator {args.advantage_estimator})", None
     value_path = args.value_model_path or (args.reward_model_path[0] if reward_model_shares_vocabulary else model_path)
     value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args,
-                                  new_head=True, num_labels=1)
+                                  (rt.low_dtype or torch.float32) if args.lora_r else torch.float32, new_head=True,
+                                  num_labels=1)
     if not hasattr(value_model, "score"):
         fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
              "(a *ForSequenceClassification of a causal LM)")
@@ -1169,7 +1301,7 @@ def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary
         value_model = add_lora(value_model, args, modules_to_save=["score"])
     source = "value model from " + (f"--value_model_path {value_path}" if args.value_model_path else
                                     "the reward model" if value_path != model_path else "the policy")
-    return value_model.to(rt.device), source
+    return value_model.to(rt.device), source, value_path
 
 
 def stable_path(args, path, model_path, resized):
@@ -1186,9 +1318,13 @@ def add_lora(model, args, modules_to_save=None):
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                              target_modules=args.lora_target_modules or "all-linear", modules_to_save=modules_to_save)
     try:
-        return quietly(peft.get_peft_model, model, config)
+        model = quietly(peft.get_peft_model, model, config)
     except ValueError as e:  # target modules not found
         fail(f"--lora_target_modules {args.lora_target_modules}: {str(e).strip().splitlines()[0]}")
+    for p in model.parameters():  # fp32 master weights: peft copies modules_to_save in the base's dtype
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
 
 
 def quietly(function, *args, **kwargs):
@@ -1410,7 +1546,7 @@ def start_processes(args):
                                 timeout=timedelta(seconds=args.dist_timeout_s))
     torchrun = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
-    low_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    low_dtype = None if args.dtype == "fp32" else DTYPES[args.dtype]
     return Runtime(rank, world_size, device, torchrun, torchrun and args.distributed == "fsdp", low_dtype)
 
 
@@ -1432,11 +1568,17 @@ def from_rank_0(obj):
 
 def agreed(check, *args):
     """check(*args) on every rank; if it fails on any, every rank stops: rank 0 prints the first failure's line, the
-    others exit quietly (one line per run, not per rank). No collective may run inside check. -> what it returned."""
+    others exit quietly (one line per run, not per rank). Any other exception is such a line too (with where it was
+    raised): no rank waits for one that crashed. No collective may run inside check. -> what it returned."""
     try:
         result, error = check(*args), None
     except SystemExit as e:
         result, error = None, str(e)
+    except Exception as e:  # noqa: BLE001 (every rank must learn of it)
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        result, error = None, (f"error: {type(e).__name__}: {message} ({os.path.basename(where.filename)}:"
+                               f"{where.lineno}, in {where.name})")
     errors = [error]
     if dist.is_available() and dist.is_initialized():
         errors = [None] * dist.get_world_size()
@@ -1593,18 +1735,27 @@ class TokenLogprobs(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma-2/3, Cohere, Granite
+
+
 def output_layer(model):
     """The causal LM's output layer if its logits are exactly that nn.Linear applied to the backbone's last hidden
-    state, else None (checked on a probe input: some models scale or cap their logits). With it, log-probs are taken
-    from the hidden states chunk by chunk and the (B, R, V) logits are never made."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
+    state, else None. With it, log-probs are taken from the hidden states chunk by chunk and the (B, R, V) logits are
+    never made. A config key that announces a logit transform rules it out; for one no key announces, a probe with the
+    layer's output scaled 100x (a soft cap near identity on small logits shows on large ones)."""
+    head, config = model.get_output_embeddings(), model.config.get_text_config()
+    if not isinstance(head, torch.nn.Linear) or any(getattr(config, k, None) not in (None, 1, 1.0)
+                                                    for k in LOGIT_TRANSFORMS):
         return None
     ids = torch.arange(1, 5, device=head.weight.device)[None] % head.out_features
     mask = torch.ones_like(ids, dtype=torch.bool)
-    with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
-        logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
-        return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
+    hook = head.register_forward_hook(lambda module, inputs, output: output * 100)
+    try:
+        with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
+            logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
+            return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
+    finally:
+        hook.remove()
 
 
 # --------------------------------------------- checkpoints, resume and signals (systems: a first reading may skip this)
@@ -1620,31 +1771,65 @@ def full_state_dict(model, optimizer=None):
 
 
 def save_final(model, models, args, output_dir, rt):
-    """The trained policy and value model, whole, as from_pretrained folders (every rank gathers, rank 0 writes). With
-    LoRA: peft adapter folders naming their base model (saved beside them when it would not outlive the run), and with
-    --merge_lora policy_merged/, the base with the adapter merged in."""
-    weights = full_state_dict(model)
+    """The trained policy and value model, whole, as from_pretrained folders in --save_dtype (every rank gathers, rank
+    0 writes). With LoRA: peft adapter folders (fp32) naming their base model (saved beside them when it would not
+    outlive the run), and with --merge_lora policy_merged/, the base with the adapter merged in. -> what was written,
+    with its dtype, for the last line: "policy and value model (fp32)"."""
+    weights, written = full_state_dict(model), {}
     for name, part in (("policy", models.policy), ("value_model", models.value_model)) if rt.rank == 0 else ():
         if part is None:  # a value-free estimator has no value model
             continue
         state = {key.split(".", 1)[1]: value for key, value in weights.items() if key.startswith(name + ".")}
+        label = name.replace("_", " ")
+        dtype = models.source_dtypes[name] or torch.float32 if args.save_dtype == "auto" else DTYPES[args.save_dtype]
         if args.lora_r:
             base = models.base_paths[name] or os.path.abspath(os.path.join(output_dir, f"{name}_base"))
             if not models.base_paths[name]:  # the base's weights: peft's names without the adapters
                 base_state = {k.replace("base_model.model.", "", 1).replace(".base_layer", "")
                               .replace(".original_module", ""): v for k, v in state.items()
                               if ".lora_" not in k and ".modules_to_save." not in k}
-                save_folder(base, lambda tmp: part.get_base_model().save_pretrained(tmp, state_dict=base_state))
+                save_folder(base, lambda tmp: save_weights(part.get_base_model(), tmp, base_state, dtype))
+                written[f"{label} base"] = dtype_name(dtype)
             part.peft_config["default"].base_model_name_or_path = base
-        save_folder(os.path.join(output_dir, name), lambda tmp: (part.save_pretrained(tmp, state_dict=state),
-                                                                 models.tokenizer.save_pretrained(tmp)))
-    if args.merge_lora and rt.rank == 0:
-        def merge(tmp):
-            peft, policy_dir = import_peft("--merge_lora"), os.path.join(output_dir, "policy")
-            base = from_pretrained(AutoModelForCausalLM, adapter_base(policy_dir), "model_name_or_path", args)
-            quietly(peft.PeftModel.from_pretrained, base, policy_dir).merge_and_unload().save_pretrained(tmp)
-            models.tokenizer.save_pretrained(tmp)
-        save_folder(os.path.join(output_dir, "policy_merged"), merge)
+            save_folder(os.path.join(output_dir, name), lambda tmp: (part.save_pretrained(tmp, state_dict=state),
+                                                                     models.tokenizer.save_pretrained(tmp)))
+            written[f"{label} adapter"] = "fp32"
+        else:
+            save_folder(os.path.join(output_dir, name), lambda tmp: (save_weights(part, tmp, state, dtype),
+                                                                     models.tokenizer.save_pretrained(tmp)))
+            written[label] = dtype_name(dtype)
+        if name == "policy" and args.merge_lora:
+            def merge(tmp):
+                peft, policy_dir = import_peft("--merge_lora"), os.path.join(output_dir, "policy")
+                base = from_pretrained(AutoModelForCausalLM, adapter_base(policy_dir), "model_name_or_path", args,
+                                       dtype=torch.float32)
+                merged = quietly(peft.PeftModel.from_pretrained, base, policy_dir).merge_and_unload()
+                save_weights(merged, tmp, merged.state_dict(), dtype)
+                models.tokenizer.save_pretrained(tmp)
+            save_folder(os.path.join(output_dir, "policy_merged"), merge)
+            written["merged policy"] = dtype_name(dtype)
+    by_dtype = {d: [w for w in written if written[w] == d] for d in written.values()}
+    return ", ".join(f"{' and '.join(names)} ({d})" for d, names in by_dtype.items())
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_name(dtype):
+    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def save_weights(model, folder, state, dtype):
+    """model.save_pretrained(folder) with the floating-point tensors of `state` in dtype, and a config.json that says
+    so (transformers writes the dtype of the model in memory)."""
+    model.save_pretrained(folder, state_dict={k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = str(dtype).split(".")[1]
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def save_folder(path, write):
@@ -1663,11 +1848,11 @@ def list_checkpoints(output_dir):
                   if d.startswith("checkpoint-") and not d.endswith(".tmp"))
 
 
-def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt):
+def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, stop_token_ids):
     """All the run needs to go on exactly: weights, optimizer, schedule, GradScaler, the update counter (the prompt
-    stream's position and every seed follow from it), the loop's `progress` (see no_progress) and the algorithmic
-    flags. Rank 0 writes a .tmp folder, flushes and renames it (a checkpoint-N folder is always complete); the newest
-    save_total_limit stay."""
+    stream's position and every seed follow from it), the loop's `progress` (see no_progress), the algorithmic
+    flags and the resolved stop ids. Rank 0 writes a .tmp folder, flushes and renames it (a checkpoint-N folder is
+    always complete); the newest save_total_limit stay."""
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
     if args.lora_r:  # only what trains: the adapters and the value head (the base is the checkpoint it started from)
         inner = model.module if hasattr(model, "module") else model  # DDP
@@ -1680,7 +1865,8 @@ def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler
         os.makedirs(tmp)
         state = dict(update=update, **progress, model=weights, optimizer=optimizer_state,
                      lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(), world_size=rt.world_size,
-                     config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS})
+                     config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS},
+                     stop_token_ids=stop_token_ids)
         torch.save(state, os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "state.pt"), "rb") as f:
             os.fsync(f.fileno())
@@ -1693,7 +1879,7 @@ def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler
     return path
 
 
-def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
+def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, stop_token_ids):
     """Restore what save_checkpoint wrote, on every rank (weights_only loading: nothing in a checkpoint runs code).
     -> the update it was written after, and the loop's progress then (see no_progress)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
@@ -1702,9 +1888,17 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt):
     saved = {**{f.name: f.default for f in fields(Args)}, **state["config"]}  # a newer flag: had its default then
     for key in ("reward_model_path", "reward_fn"):  # one string in checkpoints of versions with one of each
         saved[key] = [saved[key]] if isinstance(saved[key], str) else saved[key]
-    changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS and saved[k] != v]
+    if isinstance(saved["stop_token_id"], int):  # one id in checkpoints of versions before the list
+        saved["stop_token_id"] = [saved["stop_token_id"]]
+    # the stop ids it resolved must be this run's, however the flags name them (they also come from the model)
+    stop_flags = {"stop_token", "stop_token_id"} if "stop_token_ids" in state else set()
+    changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS | stop_flags and saved[k] != v]
     if changed:
         fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
+    if stop_flags and state["stop_token_ids"] != stop_token_ids:  # e.g. the policy's generation_config changed
+        then = state["stop_token_ids"]
+        fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {stop_token_ids}: give "
+             + (f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"))
     if state["world_size"] != rt.world_size:  # the global batch, hence the prompt stream, depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
@@ -1722,7 +1916,7 @@ def no_progress(args):
     return dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0))
 
 
-def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log):
+def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, stop_token_ids):
     """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
     and drop the lines of later updates from metrics.jsonl and samples.jsonl (no duplicate, no gap). -> (first update
     to run, the loop's progress: see no_progress)."""
@@ -1735,7 +1929,8 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log):
     start_update, progress = 0, no_progress(args)
     for i, path in enumerate(candidates):
         try:
-            start_update, progress = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt)
+            start_update, progress = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt,
+                                                     stop_token_ids)
             log.print(f"resumed from {path} after update {start_update}")
             break
         except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
@@ -1775,6 +1970,12 @@ def request_stop(signum, frame):
 
 
 # --------------------------------------------------------- logging and metrics (systems: a first reading may skip this)
+def json_line(metrics):
+    """One line of strict JSON: a non-finite value (an explained variance of a constant batch) is written as null."""
+    return json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()},
+                      allow_nan=False) + "\n"
+
+
 class Clock:
     """Seconds per phase of one update: lap(name) closes the phase that ran since the previous lap."""
 
@@ -1819,7 +2020,7 @@ def update_metrics(batch, trained, models, args, rt):
         averaged.update({f"objective/raw_scores/{name}": x.mean() for name, x in zip(sources, source_scores.T)})
     if num_rms > 1:  # the reward models' disagreement, mean over responses
         averaged["objective/rm_spread"] = reward_model_spread(source_scores, num_rms).mean()
-    summed = {"val/num_eos_tokens": batch["contains_eos"].sum(), "rollout": mask.sum(),
+    summed = {"val/num_eos_tokens": (~batch["truncated"]).sum(), "rollout": mask.sum(),  # responses with a stop id
               "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
     averaged, summed = reduce_over_ranks(averaged, summed, rt)
     averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
@@ -1829,15 +2030,15 @@ def update_metrics(batch, trained, models, args, rt):
 def health_hints(window, args, has_stop_token):
     """Signs of trouble in the metrics of the last updates (window: their dicts, oldest first, at most
     --health_window). -> {hint: one line naming the flag to change}. Thresholds, all quiet on the default run: most
-    importance ratios of an update outside [1 − ε, 1 + ε] (> 50%); the KL to the reference up by > 50% (and by
+    importance ratios of an update outside [1 − ε, 1 + ε_high] (> 50%); the KL to the reference up by > 50% (and by
     > 0.1 nats) from the window's first half to its second while the mean score did not rise; >= 90% of responses
     cut off at --response_length in every update of the window (with a stop token)."""
     hints, last, n = {}, window[-1], len(window)
     outside = last.get("policy/ratio_outside_clip_avg", 0.0)  # absent when no minibatch trained
     if outside > 0.5:
-        hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε] in this update: the "
-                          "policy moves too far per update; lower --learning_rate or --num_ppo_epochs (or set "
-                          "--target_kl)")
+        hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε_high] in this "
+                          "update: the policy moves too far per update; lower --learning_rate or --num_ppo_epochs (or "
+                          "set --target_kl)")
     if n < max(args.health_window, 2):
         return hints
     halves = window[: n // 2], window[n // 2 :]
@@ -1881,10 +2082,11 @@ class Logger:
         self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
                    f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
                    f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
-                   f"device {rt.device}, {args.dtype}, output {output_dir}; {models.value_source}"
+                   f"device {rt.device}, {args.dtype}, stop ids {models.stop_token_ids or 'none'}, output "
+                   f"{output_dir}; {models.value_source}"
                    f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
                    + (f"; LoRA r {args.lora_r}: {trained:,} of {every:,} parameters train" if args.lora_r else ""))
-        self.start_time, self.has_stop_token = time.time(), models.stop_token_id is not None
+        self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)
         self.window, self.hinted = deque(maxlen=args.health_window), {}  # health_hints' window, {hint: update}
         self.absent = ({"objective/kl"} if models.ref_policy is None else set()) | (
             {"loss/value_avg", "val/explained_variance"} if models.value_model is None else set()) | (
@@ -1924,7 +2126,7 @@ class Logger:
             "time/train_tokens_per_s": token_counts["train"] / max(t["train"], 1e-9), "memory/peak_mib": peak_memory}
         if self.rt.rank == 0:
             with open(self.path, "a") as f:  # one whole line per update, written when the update is done
-                f.write(json.dumps(m) + "\n")
+                f.write(json_line(m))
             if samples:
                 with open(self.samples_path, "a") as f:
                     f.writelines(json.dumps(sample) + "\n" for sample in samples)

@@ -6,10 +6,12 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -57,35 +59,69 @@ def word_tokenizer(words, pad="<pad>", **kwargs):
 
 
 def config(arch, vocab_size, **kwargs):
+    shared = dict(vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     if arch == "gpt2":
-        return GPT2Config(vocab_size=vocab_size, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                          pad_token_id=0, eos_token_id=1, bos_token_id=1, **kwargs)
-    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=32, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                       pad_token_id=0, eos_token_id=1, bos_token_id=1, **kwargs)
+        return GPT2Config(**{**shared, **dict(n_positions=32, n_embd=32, n_layer=2, n_head=2), **kwargs})
+    llama = dict(max_position_embeddings=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1)
+    return LlamaConfig(**{**shared, **llama, **kwargs})
+
+
+def save_as_hub(model, path, tokenizer=None, dtype=torch.bfloat16):
+    """save_pretrained as the hub stores checkpoints: bf16 safetensors (another dtype where a test needs it)."""
+    model.to(dtype).save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return str(path)
+
+
+CHAT_WORDS = ["<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant"] + WORDS[3:]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def chat_tokenizer():
+    """A chat tokenizer as Qwen's: EOS <|endoftext|>, a turn ends in <|im_end|>, no pad token."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(CHAT_WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                   chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """Folders of tiny models and prompt files: {gpt2, llama} policies, their reward models, a reward model with
-    a different tokenizer, an encoder reward model, and prompts (.jsonl, .txt)."""
+    """Folders of tiny models and prompt files, stored as the hub stores them (bf16): {gpt2, llama} policies (GPT-2's
+    embeddings tied), their reward models, a reward model with a different tokenizer; fp32 copies of the GPT-2 pair;
+    a chat model (tied, a tokenizer without pad token, its turn ending in <|im_end|> listed in generation_config.json
+    beside EOS) and its chat prompts; prompts (.jsonl, .txt)."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {}
     tokenizer = word_tokenizer(WORDS)
     for i, arch in enumerate(["gpt2", "llama"]):
         torch.manual_seed(i)
-        paths[arch] = str(root / arch)
-        AutoModelForCausalLM.from_config(config(arch, len(WORDS))).save_pretrained(paths[arch])
-        tokenizer.save_pretrained(paths[arch])
-        paths[f"{arch}_rm"] = str(root / f"{arch}_rm")
+        policy = AutoModelForCausalLM.from_config(config(arch, len(WORDS)))
+        paths[arch] = save_as_hub(policy, root / arch, tokenizer)
         reward_model = AutoModelForSequenceClassification.from_config(config(arch, len(WORDS), num_labels=1))
-        reward_model.save_pretrained(paths[f"{arch}_rm"])
-        tokenizer.save_pretrained(paths[f"{arch}_rm"])
+        paths[f"{arch}_rm"] = save_as_hub(reward_model, root / f"{arch}_rm", tokenizer)
+        if arch == "gpt2":  # the same weights in fp32
+            paths["gpt2_fp32"] = save_as_hub(policy, root / "gpt2_fp32", tokenizer, torch.float32)
+            paths["gpt2_rm_fp32"] = save_as_hub(reward_model, root / "gpt2_rm_fp32", tokenizer, torch.float32)
     other_words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in reversed(range(37))] + ["extra"]
-    paths["other_rm"] = str(root / "other_rm")  # same words, other ids: the reward model must re-tokenize the text
     other_rm = AutoModelForSequenceClassification.from_config(config("llama", len(other_words), num_labels=1))
-    other_rm.save_pretrained(paths["other_rm"])
-    word_tokenizer(other_words, padding_side="left").save_pretrained(paths["other_rm"])
+    # same words, other ids: the reward model must re-tokenize the text
+    paths["other_rm"] = save_as_hub(other_rm, root / "other_rm", word_tokenizer(other_words, padding_side="left"))
+    torch.manual_seed(2)
+    chat_config = config("llama", len(CHAT_WORDS), tie_word_embeddings=True, pad_token_id=None, eos_token_id=0,
+                         bos_token_id=None)
+    chat = AutoModelForCausalLM.from_config(chat_config)
+    chat.generation_config.eos_token_id = [3, 0]  # <|im_end|>, <|endoftext|>
+    paths["chat"] = save_as_hub(chat, root / "chat", chat_tokenizer())
+    paths["chat_prompts"] = str(root / "chat.jsonl")
+    with open(paths["chat_prompts"], "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]}) + "\n")
     paths["prompts"] = str(root / "prompts.jsonl")
     gen = torch.Generator().manual_seed(0)
     with open(paths["prompts"], "w") as f:
@@ -288,20 +324,13 @@ def test_response_logprobs_through_the_output_layer_equal_the_models_logits(tiny
     assert all(torch.allclose(p.grad, g, atol=1e-5) for p, g in zip(policy.parameters(), full_grads))
 
 
-def test_output_layer_is_not_used_when_the_model_changes_its_logits(tmp_path):
-    from transformers import Gemma2Config
-    config = Gemma2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                          final_logit_softcapping=2.0)  # tanh-capped logits
-    assert P.output_layer(AutoModelForCausalLM.from_config(config)) is None
-
-
 def test_first_true_index_and_response_lengths():
     bools = torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
     assert P.first_true_index(bools).tolist() == [1, 4, 0]
     responses = torch.tensor([[5, 1, 7, 1], [5, 6, 7, 8], [1, 0, 0, 0]])
-    assert P.response_lengths(responses, stop_token_id=1).tolist() == [2, 4, 1]
-    assert P.response_lengths(responses, stop_token_id=None).tolist() == [4, 4, 4]
+    assert P.response_lengths(responses, [1]).tolist() == [2, 4, 1]
+    assert P.response_lengths(responses, [7, 1]).tolist() == [2, 3, 1]  # the first of several stop ids
+    assert P.response_lengths(responses, []).tolist() == [4, 4, 4]
 
 
 def test_kl_estimators():
@@ -601,7 +630,7 @@ def test_captured_logprobs_equal_a_teacher_forced_recomputation(tiny, arch):
     policy = loaded(tiny, arch)
     queries, query_mask = P.left_pad([[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]], pad_token_id=0)
     torch.manual_seed(0)
-    responses, logprobs = P.generate(policy, queries, query_mask, 10, 0.7, stop_token_id=None, pad_token_id=0)
+    responses, logprobs = P.generate(policy, queries, query_mask, 10, 0.7, stop_token_ids=[], pad_token_id=0)
     assert responses.shape == (4, 10)
     query_responses = torch.cat([queries, responses], 1)
     attention_mask = torch.cat([query_mask, torch.ones_like(responses, dtype=torch.bool)], 1)
@@ -632,11 +661,11 @@ def test_generation_stops_at_the_stop_token(tiny):
     policy = loaded(tiny, "llama")
     queries, query_mask = P.left_pad([[5, 6], [7, 8, 9]] * 8, pad_token_id=0)
     torch.manual_seed(1)
-    free, free_logprobs = P.generate(policy, queries, query_mask, 12, 1.0, stop_token_id=None, pad_token_id=0)
+    free, free_logprobs = P.generate(policy, queries, query_mask, 12, 1.0, stop_token_ids=[], pad_token_id=0)
     stop = int(free[:, 1:-1].flatten().mode().values)  # a token sampled often: some rows stop early, some do not
     torch.manual_seed(1)  # the same draws, so up to its stop token every row is the free sample
-    responses, logprobs = P.generate(policy, queries, query_mask, 12, 1.0, stop_token_id=stop, pad_token_id=0)
-    lengths = P.response_lengths(responses, stop)
+    responses, logprobs = P.generate(policy, queries, query_mask, 12, 1.0, stop_token_ids=[stop], pad_token_id=0)
+    lengths = P.response_lengths(responses, [stop])
     first_stop = ((free == stop).int().argmax(1) + 1).where((free == stop).any(1), 12)
     assert (lengths < 12).any() and (lengths == first_stop).all()
     for row, n, lp, free_row, free_lp in zip(responses, lengths, logprobs, free, free_logprobs):
@@ -672,7 +701,7 @@ def test_sampling_follows_softmax_of_logits_over_temperature(tiny):
         policy.lm_head.weight.mul_(8)
         expected = (policy(queries[:1]).logits[0, -1] / 0.5).softmax(-1)
     torch.manual_seed(0)
-    responses, logprobs = P.generate(policy, queries, query_mask, 1, 0.5, stop_token_id=None, pad_token_id=0)
+    responses, logprobs = P.generate(policy, queries, query_mask, 1, 0.5, stop_token_ids=[], pad_token_id=0)
     frequencies = torch.bincount(responses[:, 0], minlength=len(expected)).float() / len(responses)
     assert (frequencies - expected).abs().max() < 0.015, (frequencies - expected).abs().max()
     assert torch.allclose(logprobs[:, 0], expected.log()[responses[:, 0]], atol=1e-5)
@@ -727,25 +756,52 @@ def check_run(output_dir, initial_path, metrics, value_init=None):
     for m in metrics:  # every update's rollout sampled from the policy it then trains (π_θ = π_old at first)
         assert abs(m["policy/first_ratio"] - 1) < 1e-5 and abs(m["policy/first_approxkl"]) < 1e-6, m["update"]
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy"))
-    initial = AutoModelForCausalLM.from_pretrained(initial_path)
+    initial = AutoModelForCausalLM.from_pretrained(initial_path, dtype=torch.float32)  # stored in bf16
     changed = [not torch.equal(a, b) for a, b in zip(policy.state_dict().values(), initial.state_dict().values())]
     assert sum(changed) > len(changed) // 2
     AutoTokenizer.from_pretrained(os.path.join(output_dir, "policy"))
     value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(output_dir, "value_model"))
     assert value_model.config.num_labels == 1
-    start = (AutoModelForSequenceClassification.from_pretrained(value_init) if value_init else initial).state_dict()
+    start = (AutoModelForSequenceClassification.from_pretrained(value_init, dtype=torch.float32) if value_init
+             else initial).state_dict()
     shared = [k for k in value_model.state_dict() if k in start]  # the backbone's weights: the value model trained
     moved = sum(not torch.equal(value_model.state_dict()[k], start[k]) for k in shared)
     assert len(shared) > 10 and moved > len(shared) // 2
 
 
-def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path):
-    args = run_args(tiny, tmp_path, total_episodes=32, stop_token=None)
-    P.main(args)
-    metrics = read_metrics(args.output_dir)
+def saved_dtypes(folder):
+    """The dtypes of a saved model's tensors, and the dtype its config.json names."""
+    from safetensors import safe_open
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        kinds = {f.get_slice(k).get_dtype() for k in f.keys()}
+    with open(os.path.join(folder, "config.json")) as f:
+        return kinds, json.load(f)["dtype"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path, capsys, dtype):
+    """A policy and reward model stored in bf16, as on the hub, train with fp32 master weights: every metric of every
+    update equals that of their fp32 copies (the frozen models are held in --dtype's precision either way);
+    --save_dtype auto writes each in its source's dtype."""
+    runs = {}
+    for stored in ("bf16", "fp32"):
+        suffix = "" if stored == "bf16" else "_fp32"
+        args = run_args(tiny, tmp_path / stored, model_name_or_path=tiny["gpt2" + suffix], total_episodes=32,
+                        reward_model_path=[tiny["gpt2_rm" + suffix]], stop_token=None, dtype=dtype, save_dtype="auto")
+        P.main(args)
+        runs[stored] = args.output_dir
+        last_line = capsys.readouterr().out.splitlines()[-1]
+        assert last_line == f"saved policy and value model ({stored}) to {args.output_dir}"
+        for name in ("policy", "value_model"):
+            assert saved_dtypes(os.path.join(args.output_dir, name)) == (
+                {{"bf16": "BF16", "fp32": "F32"}[stored]}, {"bf16": "bfloat16", "fp32": "float32"}[stored])
+    metrics = read_metrics(runs["bf16"])
     assert len(metrics) == 4 and metrics[-1]["episode"] == 32
     assert all(m["val/mean_response_length"] == 6 for m in metrics)
-    check_run(args.output_dir, tiny["gpt2"], metrics, value_init=tiny["gpt2_rm"])
+    assert [DETERMINISTIC_KEYS(m) for m in metrics] == [DETERMINISTIC_KEYS(m) for m in read_metrics(runs["fp32"])]
+    bf16, fp32 = final_weights(runs["bf16"]), final_weights(runs["fp32"])
+    assert all(torch.equal(bf16[n][k], fp32[n][k].to(torch.bfloat16)) for n in fp32 for k in fp32[n])
+    check_run(runs["fp32"], tiny["gpt2"], read_metrics(runs["fp32"]), value_init=tiny["gpt2_rm"])
 
 
 def test_the_reward_model_scores_each_response_at_its_last_real_token(tiny, tmp_path, monkeypatch):
@@ -859,6 +915,218 @@ def test_end_to_end_mixed_precision_and_checkpointing(tiny, tmp_path, monkeypatc
     assert next(policy.parameters()).dtype == torch.float32  # fp32 master weights
 
 
+def test_an_fp16_checkpoint_trains_under_fp16_and_a_bf16_one_gets_a_warning(tiny, tmp_path, capsys):
+    """fp16-stored policy and reward model under --dtype fp16: fp32 master weights, so GradScaler unscales fp32
+    gradients and the run ends (with fp16 weights it stopped at "Attempting to unscale FP16 gradients"). A bf16-stored
+    one under --dtype fp16 gets one warning line at the start: bf16's range is not fp16's."""
+    fp16 = {key: save_as_hub(loaded(tiny, "gpt2", cls, key), tmp_path / key, AutoTokenizer.from_pretrained(tiny[key]),
+                             torch.float16) for key, cls in (("gpt2", AutoModelForCausalLM),
+                                                             ("gpt2_rm", AutoModelForSequenceClassification))}
+    args = run_args(tiny, tmp_path / "fp16", model_name_or_path=fp16["gpt2"], reward_model_path=[fp16["gpt2_rm"]],
+                    dtype="fp16")
+    P.main(args)
+    metrics = read_metrics(args.output_dir)
+    assert len(metrics) == 2 and metrics[-1]["policy/epochs"] > 0 and capsys.readouterr().err == ""
+    check_run(args.output_dir, fp16["gpt2"], metrics, value_init=fp16["gpt2_rm"])
+    P.main(run_args(tiny, tmp_path / "bf16", dtype="fp16", total_episodes=8))
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "stored in bf16" in warnings[0]
+    assert tiny["gpt2"] in warnings[0] and tiny["gpt2_rm"] in warnings[0]
+
+
+@pytest.mark.parametrize("dtype,lora", [("bf16", False), ("fp16", True), ("fp32", True)])
+def test_trained_weights_and_their_optimizer_state_are_fp32_and_frozen_ones_in_the_dtype(tiny, tmp_path, monkeypatch,
+                                                                                           dtype, lora):
+    """From bf16-stored checkpoints: the weights that train (all of the policy and value model; with LoRA the
+    adapters and the value head) and AdamW's state are fp32; the frozen ones (reference, reward model; with LoRA the
+    base of the policy and value model) in --dtype's precision."""
+    frozen_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    seen, real_load, real_epochs = {}, P.load_models, P.ppo_epochs
+    monkeypatch.setattr(P, "load_models", lambda *a: seen.setdefault("models", real_load(*a)))
+
+    def epochs(model, optimizer, *rest):
+        result = real_epochs(model, optimizer, *rest)
+        seen["trained"] = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+        seen["frozen"] = {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad}
+        seen["state"] = {t.dtype for state in optimizer.state.values() for t in state.values() if t.numel() > 1}
+        return result
+
+    monkeypatch.setattr(P, "ppo_epochs", epochs)
+    P.main(run_args(tiny, tmp_path, dtype=dtype, lora_r=4 if lora else 0, total_episodes=8))
+    models = seen["models"]
+    assert set(seen["trained"].values()) == {torch.float32} and seen["state"] == {torch.float32}
+    assert len(seen["trained"]) > 10 and (len(seen["frozen"]) > 10) == lora
+    if lora:
+        assert all("lora_" in n or "modules_to_save" in n for n in seen["trained"])
+        assert set(seen["frozen"].values()) == {frozen_dtype}
+    else:
+        assert {p.dtype for p in models.ref_policy.parameters()} == {frozen_dtype}
+    assert {p.dtype for p in models.reward_models[0][0].parameters()} == {frozen_dtype}
+
+
+def test_a_chat_model_stops_at_its_end_of_turn_and_a_resume_keeps_the_stop_ids(tiny, tmp_path, capsys):
+    """A chat model whose tokenizer has no pad token and whose turn ends in <|im_end|> (id 3), listed beside EOS (id 0)
+    in its generation_config.json: a response ends at the first of either, and counts as having a stop id (no EOS
+    penalty, not truncated). The checkpoint keeps the resolved ids: a resume where the model's generation_config says
+    otherwise stops in one line, and resumes once --stop_token_id gives the same ids."""
+    model = str(tmp_path / "chat")
+    shutil.copytree(tiny["chat"], model)
+    calls = []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = spy_on_updates(monkeypatch)
+        args = run_args(tiny, tmp_path, model_name_or_path=model, reward_model_path=None,
+                        reward_fn=[f"{__file__}:num_words"], dataset=tiny["chat_prompts"], total_episodes=48,
+                        per_device_train_batch_size=16, missing_eos_penalty=1.0, save_every=1, seed=2)
+        P.main(args)
+    assert "stop ids [0, 3]" in capsys.readouterr().out.splitlines()[0]
+    ends = []
+    for batch, *_ in calls:
+        responses = batch["query_responses"][:, batch["context_length"]:].tolist()
+        for row, n, truncated in zip(responses, batch["lengths"].tolist(), batch["truncated"].tolist()):
+            stops = [t in (0, 3) for t in row[:n]]
+            assert not any(stops[:-1]) and truncated == (not stops[-1]) and (n == 6 or stops[-1])
+            ends.append(row[n - 1] if stops[-1] else None)
+        assert torch.equal(batch["scores"], batch["raw_scores"] - batch["truncated"].float())  # the EOS penalty
+    assert ends.count(3) > 0 and ends.count(None) > 0  # some responses end at <|im_end|>, some are cut off
+    with open(os.path.join(model, "generation_config.json")) as f:
+        generation_config = json.load(f)
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        json.dump({**generation_config, "eos_token_id": 0}, f)  # as if the model's stop ids had changed
+    with pytest.raises(SystemExit, match=r"stop ids \[0, 3\], this run at \[0\]: give --stop_token_id 0 3") as exc:
+        P.main(dataclasses.replace(args, resume=os.path.join(args.output_dir, "checkpoint-000002")))
+    assert "\n" not in str(exc.value)
+    P.main(dataclasses.replace(args, resume=os.path.join(args.output_dir, "checkpoint-000002"), stop_token_id=[0, 3]))
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
+
+
+def test_the_output_layer_is_used_only_where_the_logits_are_that_layer(tiny, monkeypatch):
+    """A logit transform rules the fused output layer out: one announced by the config (Gemma-2's soft cap of 30, near
+    identity on a fresh model's small logits), or one no key announces (found by a probe with large logits)."""
+    from transformers import Gemma2Config
+    for cap in (2.0, 30.0):
+        config = Gemma2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=cap)
+        assert P.output_layer(AutoModelForCausalLM.from_config(config)) is None, cap
+    policy = loaded(tiny, "llama")
+    assert P.output_layer(policy) is policy.lm_head
+    policy.config.logit_scale = 0.5  # a key that announces a transform rules it out, whatever the forward does
+    assert P.output_layer(policy) is None
+    policy.config.logit_scale = None
+    real = policy.forward
+
+    def capped(*a, **kw):  # a soft cap no config key announces
+        out = real(*a, **kw)
+        out.logits = torch.tanh(out.logits / 30) * 30
+        return out
+
+    monkeypatch.setattr(policy, "forward", capped)
+    assert P.output_layer(policy) is None
+
+
+@pytest.fixture(scope="session")
+def big_vocab(tmp_path_factory):
+    """A policy with Qwen2's 151,936-token vocabulary (tied embeddings, a tiny hidden size) stored in bf16, a tokenizer
+    with no pad token, and 24 prompts. (A Qwen2 config would make AutoTokenizer rebuild this word-level tokenizer as
+    Qwen2's BPE one.)"""
+    root = tmp_path_factory.mktemp("big_vocab")
+    words = ["<eos>", "<unk>"] + [f"w{i}" for i in range(151_936 - 2)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         tie_word_embeddings=True, eos_token_id=0, bos_token_id=None, pad_token_id=None)
+    path = save_as_hub(AutoModelForCausalLM.from_config(config), root / "policy", tokenizer)
+    with open(root / "prompts.txt", "w") as f:
+        f.writelines(f"w{3 * i} w{3 * i + 1} w{3 * i + 2}\n" for i in range(24))
+    return path, str(root / "prompts.txt")
+
+
+def test_the_evaluation_at_a_151936_vocabulary_stays_within_the_log_prob_chunk_budget(big_vocab, tmp_path):
+    """The held-out evaluation's exact KL at a 151,936-token vocabulary, 24 prompts, 48 tokens each: peak memory (RSS,
+    in a process of its own) grows by less than one (B, R, V) float32 tensor of logits, which it made several of."""
+    policy, prompts = big_vocab
+    B, R, V = 24, 48, 151_936
+    code = f"""
+import json, resource, sys
+import ppo_rlhf as P
+peaks, real = [], P.evaluate
+def evaluate(*a):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = real(*a)
+    peaks.append((before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, result[0]["eval/kl"]))
+    return result
+P.evaluate = evaluate
+P.main(P.Args(model_name_or_path={policy!r}, reward_fn=[{__file__ + ":num_words"!r}], dataset={prompts!r},
+              eval_dataset={prompts!r}, output_dir={str(tmp_path / "run")!r}, per_device_train_batch_size=8,
+              total_episodes=8, response_length={R}, stop_token=None, num_sample_generations=0))
+print(json.dumps(peaks))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": HERE})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (before, after, kl), = json.loads(result.stdout.splitlines()[-1])
+    grown = (after - before) * 1024  # ru_maxrss is in KiB on Linux
+    assert grown < B * R * V * 4, (grown / 2**20, B * R * V * 4 / 2**20)  # MiB
+    assert math.isfinite(kl) and kl > 0
+
+
+def test_any_failure_of_a_check_is_one_line_on_every_rank():
+    """agreed() turns any exception in a check into the one-line stop every rank takes (no rank waits for one that
+    crashed), naming what was raised and where."""
+    assert P.agreed(lambda x: x + 1, 1) == 2
+    with pytest.raises(SystemExit) as exc:
+        P.agreed(lambda: {}["base_model_name_or_path"])
+    message = str(exc.value)
+    assert message.startswith("error: KeyError: 'base_model_name_or_path' (test_ppo_rlhf.py:") and "\n" not in message
+
+
+def test_the_share_of_ratios_outside_the_clip_is_of_the_clip_in_use():
+    """With clip-higher, a ratio is outside the clip below 1 − ε or above 1 + ε_high (not 1 + ε)."""
+    ratios = torch.tensor([[0.7, 0.9, 1.1, 1.25, 1.35]])
+    mb = {"logprobs": torch.zeros(1, 5), "response_mask": torch.ones(1, 5, dtype=torch.bool)}
+    for cliprange_high, expected in ((None, 3 / 5), (0.3, 2 / 5)):
+        stats = defaultdict(list)
+        P.update_stats(stats, mb, ratios.log(), torch.zeros(1, 5), 0.2, cliprange_high, {})
+        assert stats["policy/ratio_outside_clip_avg"][0].item() == pytest.approx(expected)
+
+
+def test_steps_gradscaler_skips_are_not_counted(tiny, tmp_path):
+    """fp16 with a loss scale of 2^40: every scaled gradient overflows, GradScaler skips every step (lowering its
+    scale), the weights stay, and none of the four steps counts (policy/epochs is 0, not 1)."""
+    batch = fixed_rollout(tiny, tmp_path, 8)
+    model = P.PolicyAndValue(loaded(tiny, "gpt2"), loaded_value(tiny))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = P.Args(per_device_train_batch_size=8, num_ppo_epochs=2, num_mini_batches=2, dtype="fp16")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    trained = P.ppo_epochs(model, torch.optim.AdamW(model.parameters(), lr=1e-3), scaler, batch, args,
+                           P.check_args(args), P.Runtime(low_dtype=torch.float16))
+    assert trained.optimizer_steps == 0 and trained.stop_reason is None and scaler.get_scale() == 2.0**36
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_non_finite_metric_is_written_as_null(tiny, tmp_path):
+    """One response of one token per update: the returns have no variance, so explained variance is 0/0. It is
+    written as null (strict JSON), not NaN."""
+    args = run_args(tiny, tmp_path, total_episodes=2, per_device_train_batch_size=1, num_mini_batches=1,
+                    response_length=1, stop_token=None)
+    P.main(args)
+    with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in f]
+    assert len(lines) == 2 and all(m["val/explained_variance"] is None for m in lines)
+    assert P.json_line({"a": float("-inf"), "b": 1.5, "c": 2}) == '{"a": null, "b": 1.5, "c": 2}\n'
+
+
+def test_a_text_too_long_for_a_reward_models_context_is_one_line(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny["other_rm"])
+    model = loaded(tiny, "other_rm", AutoModelForSequenceClassification)
+    prompts = SimpleNamespace(texts=["w1 " * 30], messages=[None])
+    with pytest.raises(SystemExit, match="--response_length") as exc:
+        P.score_texts(model, tokenizer, prompts, [0], [" w2 w3 w4"])
+    assert "\n" not in str(exc.value) and "context of 32" in str(exc.value)
+
+
 @pytest.mark.parametrize("kl_estimator,whiten_rewards,missing_eos_penalty,anneal_lr,target_kl",
                          [("k1", False, None, True, None), ("k3", True, 0.7, False, 1e-9)])
 def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypatch, kl_estimator, whiten_rewards,
@@ -891,9 +1159,9 @@ def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypat
         with torch.no_grad():
             ref_logprobs = P.response_logprobs(ref, batch["query_responses"], batch["attention_mask"], start, 0.7)[0]
         assert torch.allclose(batch["ref_logprobs"][mask], ref_logprobs[mask], atol=1e-5)
-        assert torch.allclose(batch["values"][mask], values[mask], atol=1e-5)
+        assert torch.allclose(batch["values"][mask], values[mask], atol=1e-5) and (batch["values"][~mask] == 0).all()
         completions = [tokenizer.decode(r[:n], skip_special_tokens=True) for r, n in zip(responses.tolist(), lengths)]
-        has_eos = [1 in r[:n] for r, n in zip(responses.tolist(), lengths)]
+        has_eos = [5 in r[:n] for r, n in zip(responses.tolist(), lengths)]  # the stop id, here not EOS
         scores = [c - (missing_eos_penalty or 0) * (not e) for c, e in zip(count_w1(None, completions), has_eos)]
         assert torch.allclose(batch["scores"], torch.tensor(scores))
         rewards, kls = torch.zeros(mask.shape, dtype=torch.float64), []
@@ -1006,19 +1274,33 @@ def test_evaluation_leaves_training_bit_identical(tiny, tmp_path):
     assert all(torch.equal(wa[n][k], wb[n][k]) for n in wa for k in wa[n])
 
 
-def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path, monkeypatch, fused):
     """learning rate 0 keeps the policy at its start; the reference is another model. Greedy answers by a naive loop
     (a whole forward per token, argmax), their count_w1 scores, and the exact KL Σ_t Σ_v p·log(p/q) by full softmax
     give eval/score, eval/kl and eval/response_length; samples.jsonl holds every prompt's answer. The evaluation runs
-    no value forward and no token-level log-prob forward (its KL has its own)."""
+    no value forward and no token-level log-prob forward (its KL has its own), and its KL stays within the log-prob
+    chunk budget (here 4 positions): from the hidden states 4 positions at a time, or without a usable output layer
+    one sequence at a time."""
+    monkeypatch.setattr(P, "logprobs_chunk_rows", lambda vocab_size: 4)
+    if not fused:
+        monkeypatch.setattr(P, "output_layer", lambda model: None)
+    widths, rows, real_linear, real_forward = [], [], P.chunk_logits, P.forward
+    monkeypatch.setattr(P, "chunk_logits", lambda x, *a: widths.append(len(x)) or real_linear(x, *a))
+    monkeypatch.setattr(P, "forward", lambda model, ids, *a: rows.append(len(ids)) or real_forward(model, ids, *a))
     forwards, real_evaluate = [], P.evaluate
     for name in ("state_values", "response_logprobs"):
         monkeypatch.setattr(P, name, lambda *a, real=getattr(P, name), name=name: forwards.append(name) or real(*a))
 
     def evaluate(*a):
         start = len(forwards)
+        widths.clear(), rows.clear()
         result = real_evaluate(*a)
         assert len(forwards) == start, forwards[start:]
+        if fused:  # the KL's logits from hidden states, 4 positions at a time
+            assert widths and max(widths) <= 4 and rows == []
+        else:  # the (1, R, V) logits of one sequence at a time, of the policy and the reference
+            assert widths == [] and rows == [1] * 6
         return result
 
     monkeypatch.setattr(P, "evaluate", evaluate)
@@ -1091,7 +1373,7 @@ def test_the_loop_shapes_the_scores_as_its_flags_say(tiny, tmp_path, monkeypatch
     for (batch, *_), m in zip(calls, read_metrics(args.output_dir)):
         raw, lengths = batch["raw_scores"].double(), batch["lengths"].double()
         assert m["objective/raw_scores"] == pytest.approx(raw.mean().item(), abs=1e-6)
-        penalised = raw - 0.3 * (~batch["contains_eos"]).double()
+        penalised = raw - 0.3 * batch["truncated"].double()  # no stop id
         seen.append(penalised)
         std = torch.cat(seen).std() if torch.cat(seen).std() > 0 else 1.0
         expected = (penalised / std).clamp(-2, 2) - 0.05 * lengths - 0.4 * (lengths - 4).clamp(min=0) / 2
@@ -1141,7 +1423,7 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "temperature": 0.0, "cliprange": -0.1, "cliprange_value": 0.0, "max_grad_norm": float("inf"),
                 "dist_timeout_s": 0, "learning_rate": -1.0, "kl_coef": float("nan"), "vf_coef": -0.1, "save_every": -1,
                 "save_total_limit": -1, "num_sample_generations": -1, "gamma": 1.5, "lam": -0.01, "target_kl": 0.0,
-                "stop_token_id": -1, "missing_eos_penalty": float("nan"), "num_generations": 0,
+                "stop_token_id": [-1], "missing_eos_penalty": float("nan"), "num_generations": 0,
                 "adaptive_kl_horizon": 0, "adaptive_kl_target": 0.0, "cliprange_high": -0.1, "dual_clip": 1.0,
                 "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0, "eval_temperature": -0.5,
                 "score_clip": 0.0, "overlong_buffer": -1, "length_penalty": float("nan"),
@@ -1170,6 +1452,17 @@ def file_case(case, tiny, tmp_path):
         os.makedirs(tmp_path / "run")
         (tmp_path / "run" / "metrics.jsonl").write_text('{"update": 1}\n')
         return {}, "--output_dir"
+    if case == "a corrupt adapter config":
+        os.makedirs(tmp_path / "adapter")
+        (tmp_path / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": ')
+        return dict(model_name_or_path=str(tmp_path / "adapter")), "--model_name_or_path"
+    if case in ("a reward model with a shorter context", "a reward model with its own tokenizer and a shorter context"):
+        path, own = tmp_path / "short_rm", "own" in case  # prompts of up to 6 words + 6 tokens > 8 positions
+        words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in reversed(range(37))] if own else WORDS
+        config("llama", len(words), num_labels=1, max_position_embeddings=8,
+               architectures=["LlamaForSequenceClassification"]).save_pretrained(str(path))
+        word_tokenizer(words).save_pretrained(str(path))
+        return dict(reward_model_path=[str(path)]), "--reward_model_path"
     return {
         "missing policy": (dict(model_name_or_path="/no/such/model"), "--model_name_or_path"),
         "missing reference": (dict(ref_model_path=str(tmp_path / "nothing")), "--ref_model_path"),
@@ -1203,6 +1496,11 @@ def file_case(case, tiny, tmp_path):
                                              "--reward_weights"),
         "a non-finite reward weight": (dict(reward_weights=[float("nan")]), "--reward_weights"),
         "a path where a list goes": (dict(reward_model_path=tiny["gpt2_rm"]), "--reward_model_path"),
+        "no stop id, truncated completions masked": (dict(stop_token=None, mask_truncated_completions=True),
+                                                     "--mask_truncated_completions"),
+        "no stop id, a missing-EOS penalty": (dict(stop_token=None, missing_eos_penalty=1.0), "--missing_eos_penalty"),
+        "a stop id outside the vocabulary": (dict(stop_token_id=[5, 999]), "--stop_token_id"),
+        "an empty list of stop ids": (dict(stop_token_id=[]), "--stop_token_id"),
     }[case]
 
 
@@ -1216,14 +1514,22 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "a value model without GAE", "a reference model without KL", "an adaptive KL of zero",
               "LoRA without peft", "a reference model with LoRA", "merging without LoRA", "missing eval prompts",
               "an overlong buffer past the response", "weights not matching the sources", "a non-finite reward weight",
-              "a path where a list goes"]
+              "a path where a list goes", "no stop id, truncated completions masked",
+              "no stop id, a missing-EOS penalty", "a stop id outside the vocabulary", "an empty list of stop ids",
+              "a corrupt adapter config", "a reward model with a shorter context",
+              "a reward model with its own tokenizer and a shorter context"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
             "reward model with 2 labels": "with 2 labels", "missing policy": "no such folder",
             "output_dir is a file": "is a file", "missing reward function": "has no function 'no_such'",
             "LoRA without peft": "pip install peft", "a path where a list goes": "takes a list",
-            "weights not matching the sources": "one weight per reward source (2: "}
+            "weights not matching the sources": "one weight per reward source (2: ",
+            "no stop id, truncated completions masked": "needs a stop id",
+            "a stop id outside the vocabulary": "[999]: not in the policy's vocabulary [0, 40)",
+            "a corrupt adapter config": "adapter_config.json cannot be read",
+            "a reward model with a shorter context": "exceed its context of 8",
+            "a reward model with its own tokenizer and a shorter context": "exceed its context of 8"}
 
 
 def test_the_bad_input_table_covers_every_ranged_flag():
@@ -1617,7 +1923,8 @@ def test_torchrun_builtin_task(tmp_path):
     models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(os.path.join(out, "policy")), ref_policy=None,
                              value_model=None, reward_models=[], builtin_reward=True,
                              reward_fns=[(P.addition_reward, "addition_reward")], reward_weights=torch.ones(1),
-                             tokenizer=tokenizer, stop_token_id=tokenizer.eos_token_id, policy_head=None, ref_head=None)
+                             tokenizer=tokenizer, stop_token_ids=[tokenizer.eos_token_id], policy_head=None,
+                             ref_head=None)
     args = P.Args(response_length=2)
     alone, samples = P.evaluate(models, P.load_prompts(eval_file, args, tokenizer, None), 2, args, P.Runtime())
     assert len(samples) == 20 and len(read_lines(os.path.join(out, "samples.jsonl"))) == 10  # rank 0's half
@@ -1697,7 +2004,7 @@ def spy_on_updates(monkeypatch):
     calls, real = [], P.ppo_epochs
 
     def spy(model, optimizer, scaler, batch, args, sizes, rt):
-        with torch.no_grad():
+        with torch.no_grad(), rt.autocast():  # with LoRA under bf16/fp16 the frozen base is in that dtype
             logprobs, _, values = model(batch["query_responses"], batch["attention_mask"], batch["context_length"],
                                         args.temperature)
         calls.append(({k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}, logprobs, values, model))
@@ -1833,11 +2140,12 @@ def generate_worker(rank, port, tiny, unshard, out_file):
         stop = int(policy(input_ids=queries).logits[0, -1].argmax()) if rank == 0 else None
     torch.manual_seed(rank)
     with torch.no_grad():
-        reference = P.generate(policy, queries, query_mask, 8, 0.01, stop, pad_token_id=0)
+        reference = P.generate(policy, queries, query_mask, 8, 0.01, [stop] if rank == 0 else [], pad_token_id=0)
     P.shard(policy)
     torch.manual_seed(rank)
     with torch.no_grad(), P.gathered(policy, unshard):
-        sharded = P.generate(policy, queries, query_mask, 8, 0.01, stop, pad_token_id=0, sync_ranks=not unshard)
+        sharded = P.generate(policy, queries, query_mask, 8, 0.01, [stop] if rank == 0 else [], pad_token_id=0,
+                             sync_ranks=not unshard)
     torch.save((reference, sharded), f"{out_file}.{rank}")
     del policy
     P.leave_process_group()  # once the models that hold the group are freed
@@ -2000,7 +2308,8 @@ def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, mo
                                                    "value_model"]  # the base is the tiny model's folder: no copy
     policy_dir = os.path.join(args.output_dir, "policy")
     assert P.adapter_base(policy_dir) == tiny[arch]
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny[arch]), policy_dir)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny[arch], dtype=torch.float32),
+                                        policy_dir)
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy_merged"))
     assert torch.allclose(lora_logprobs(adapted, batch), lora_logprobs(merged, batch), atol=1e-5)
     assert not torch.allclose(lora_logprobs(merged, batch), lora_logprobs(base, batch), atol=1e-3)
