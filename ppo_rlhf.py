@@ -2143,7 +2143,7 @@ class Logger:
         self.window.append(m)  # stays empty with --health_window 0
         hints = health_hints(list(self.window), self.args, self.has_stop_token) if self.window else {}
         for name, hint in hints.items():
-            if update - self.hinted.get(name, -num_updates) >= self.args.health_window:  # once per window
+            if name not in self.hinted or update - self.hinted[name] >= self.args.health_window:  # once per window
                 self.hinted[name] = update
                 self.print(f"hint: update {update}: {hint}", file=sys.stderr)
         if self.sample_every and self.evaluates(update - 1):  # the evaluation's schedule

@@ -1192,6 +1192,7 @@ def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypat
 
 FAMILY = {  # estimator, k, where the KL goes, β, adaptive KL target
     "rloo, KL in the reward": ("rloo", 4, "reward", 0.1, None),
+    "rloo, KL in the reward, adaptive": ("rloo", 2, "reward", 0.1, 0.01),  # the adapted β reaches the next rewards
     "grpo, KL in the loss, adaptive": ("grpo", 2, "loss", 0.1, 0.01),
     "dr_grpo, no KL": ("dr_grpo", 4, "reward", 0.0, None),
     "reinforce_pp": ("reinforce_pp", 1, "reward", 0.1, None),
@@ -1238,6 +1239,7 @@ def test_the_value_free_estimators_wire_their_advantages(tiny, tmp_path, monkeyp
             for t in reversed(range(n)):
                 kl = batch["logprobs"][b, t].item() - batch["ref_logprobs"][b, t].item()  # k1
                 reward = -batch["kl_coef"] * kl * (kl_in == "reward") + (baselined[b] if t == n - 1 else 0.0)
+                assert batch["rewards"][b, t].item() == pytest.approx(reward, abs=1e-6)
                 advantages[b, t] = to_go = reward + 0.9 * to_go
         if estimator.startswith("reinforce_pp"):
             real = advantages[mask]
@@ -1482,7 +1484,8 @@ def file_case(case, tiny, tmp_path):
         "fp16 with fsdp": (dict(dtype="fp16", distributed="fsdp"), "--dtype"),
         "tracking without wandb": (dict(track=True), "--track"),
         "groups do not divide the batch": (dict(num_generations=3), "--num_generations"),
-        "a group baseline with one response per prompt": (dict(advantage_estimator="rloo"), "--num_generations"),
+        **{f"{estimator} with one response per prompt": (dict(advantage_estimator=estimator), "--num_generations")
+           for estimator in ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline")},  # a baseline of itself: A = 0
         "a value model without GAE": (dict(value_model_path=tiny["gpt2_rm"], advantage_estimator="reinforce_pp"),
                                       "--value_model_path"),
         "a reference model without KL": (dict(ref_model_path=tiny["gpt2"], kl_coef=0.0), "--ref_model_path"),
@@ -1510,7 +1513,9 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "own prompts, no reward", "reward_fn without a colon", "missing reward module", "missing reward function",
               "output_dir is a file", "a run is in output_dir", "missing checkpoint", "minibatches do not divide",
               "micro-batches do not divide", "fp16 with fsdp", "tracking without wandb",
-              "groups do not divide the batch", "a group baseline with one response per prompt",
+              "groups do not divide the batch", "rloo with one response per prompt",
+              "grpo with one response per prompt", "dr_grpo with one response per prompt",
+              "reinforce_pp_baseline with one response per prompt",
               "a value model without GAE", "a reference model without KL", "an adaptive KL of zero",
               "LoRA without peft", "a reference model with LoRA", "merging without LoRA", "missing eval prompts",
               "an overlong buffer past the response", "weights not matching the sources", "a non-finite reward weight",
@@ -1661,6 +1666,33 @@ def test_a_run_that_moves_too_far_gets_hints_at_most_once_per_window(tiny, tmp_p
     P.main(args)
     hints = capsys.readouterr().err
     assert "--learning_rate" in hints and "--response_length" not in hints  # no stop token: every response is full
+
+
+@pytest.mark.parametrize("health_window", [1, 50])
+def test_a_hint_is_printed_the_first_time_it_fires_whatever_the_window(tiny, tmp_path, capsys, health_window):
+    """A run of 4 updates that moves too far from its first update: the ratio hint (which reads the last update only)
+    is printed at its first firing, with a window of 1 (the KL and length hints need two updates or more: none, and
+    no crash) and with a window longer than the run; after that at most once per window."""
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:num_words"], total_episodes=32,
+                    stop_token_id=5, learning_rate=0.1, health_window=health_window)
+    P.main(args)
+    lines = capsys.readouterr().err.splitlines()
+    fired = [m["update"] for m in read_metrics(args.output_dir) if m["policy/ratio_outside_clip_avg"] > 0.5]
+    printed = [int(line.split()[2][:-1]) for line in lines if "--learning_rate" in line]
+    assert fired and printed[0] == fired[0] and len(lines) == len(printed)
+    assert printed == (fired if health_window == 1 else fired[:1])
+
+
+def test_resume_auto_without_a_checkpoint_keeps_the_runs_log(tiny, tmp_path):
+    """--resume auto on a folder with metrics.jsonl but no checkpoint stops in one line; it does not start over (which
+    would cut metrics.jsonl back to nothing)."""
+    args = run_args(tiny, tmp_path, total_episodes=16)
+    P.main(args)
+    before = open(os.path.join(args.output_dir, "metrics.jsonl")).read()
+    with pytest.raises(SystemExit, match="--resume auto: .* has metrics.jsonl but no checkpoint") as exc:
+        P.main(dataclasses.replace(args, resume="auto"))
+    assert "\n" not in str(exc.value) and len(before.splitlines()) == 2
+    assert open(os.path.join(args.output_dir, "metrics.jsonl")).read() == before
 
 
 def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
@@ -2027,7 +2059,8 @@ def fixed_rollout(tiny, tmp_path, batch_size):
 
 
 def one_update(tiny, batch, mode, gradient_accumulation_steps, **flags):
-    """One PPO update (2 epochs, 1 minibatch: 2 optimizer steps) on `batch`; -> the full weights afterwards."""
+    """One PPO update (2 epochs unless flags say otherwise, 1 minibatch: an optimizer step per epoch) on `batch`;
+    -> the full weights afterwards, and what ppo_epochs returned."""
     policy, value_model = loaded(tiny, "gpt2"), loaded_value(tiny)
     if mode == "fsdp":
         P.shard(policy), P.shard(value_model)
@@ -2035,15 +2068,16 @@ def one_update(tiny, batch, mode, gradient_accumulation_steps, **flags):
     if mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
-    args = P.Args(num_ppo_epochs=2, num_mini_batches=1, per_device_train_batch_size=len(batch["lengths"]),
-                  gradient_accumulation_steps=gradient_accumulation_steps, response_length=6, **flags)
+    rows = len(batch["lengths"]) // gradient_accumulation_steps  # per micro-batch
+    args = P.Args(**{**dict(num_ppo_epochs=2, num_mini_batches=1, per_device_train_batch_size=rows,
+                            gradient_accumulation_steps=gradient_accumulation_steps, response_length=6), **flags})
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rt = P.Runtime(world_size=world_size, torchrun=world_size > 1, fsdp=mode == "fsdp")
     torch.manual_seed(0)
     trained = P.ppo_epochs(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batch, args,
                            P.check_args(args), rt)
-    assert trained.stop_reason is None and trained.optimizer_steps == 2
-    return P.full_state_dict(model)
+    assert trained.optimizer_steps == args.num_ppo_epochs  # a target_kl stop after the last step changes nothing
+    return P.full_state_dict(model), trained
 
 
 def update_worker(rank, port, tiny, batch_file, mode, flags, out_file):
@@ -2051,7 +2085,7 @@ def update_worker(rank, port, tiny, batch_file, mode, flags, out_file):
     P.logprobs_chunk_rows = lambda vocab_size: 4  # log-probs from the hidden states in chunks (not under FSDP)
     batch = torch.load(batch_file)
     half = {k: v[rank * 4 : rank * 4 + 4] if torch.is_tensor(v) else v for k, v in batch.items()}
-    weights = one_update(tiny, half, mode, 2, **flags)  # 2 micro-batches of 2 per rank
+    weights, _ = one_update(tiny, half, mode, 2, **flags)  # 2 micro-batches of 2 per rank
     if rank == 0:
         torch.save(weights, out_file)
     P.leave_process_group()  # once the models that hold the group are freed
@@ -2068,12 +2102,45 @@ def test_two_ranks_with_half_the_batch_make_the_same_update_as_one_rank(tiny, tm
     torch.save(batch, tmp_path / "batch.pt")
     spawn_2(update_worker, tiny, str(tmp_path / "batch.pt"), mode, flags, str(tmp_path / "weights.pt"))
     two_ranks = torch.load(tmp_path / "weights.pt")
-    one_rank = one_update(tiny, batch, "none", 1, **flags)  # the full logits, 1 micro-batch of 8
+    one_rank, _ = one_update(tiny, batch, "none", 1, **flags)  # the full logits, 1 micro-batch of 8
     initial = P.full_state_dict(P.PolicyAndValue(loaded(tiny, "gpt2"), loaded_value(tiny)))
     assert two_ranks.keys() == one_rank.keys()
     assert sum(not torch.equal(one_rank[k], initial[k]) for k in one_rank) > len(one_rank) // 2  # it did train
     for k in one_rank:
         assert torch.allclose(two_ranks[k], one_rank[k], atol=2e-6), k
+
+
+def target_kl_worker(rank, port, tiny, batch_file):
+    init_gloo(rank, port)
+    batch = torch.load(batch_file)
+    half = {k: v[rank * 4 : rank * 4 + 4] if torch.is_tensor(v) else v for k, v in batch.items()}
+    _, free = one_update(tiny, half, "ddp", 2, num_ppo_epochs=3)  # 3 steps of 2 micro-batches per rank
+    approxkl = torch.stack(free.stats["policy/approxkl_avg"]).view(3, 2).mean(1)  # this rank's, per step
+    mean = P.all_ranks_sum(approxkl) / 2
+    assert mean[1] > 1e-6  # after the first step π_θ moved
+    one_update(tiny, half, "ddp", 2, num_ppo_epochs=3, target_kl=1.5 * mean[1].item())  # asserts 3 steps
+    P.leave_process_group()
+
+
+@needs_gloo
+def test_target_kl_on_two_ranks_compares_the_mean_of_their_approx_kl(tiny, tmp_path):
+    """--target_kl under torchrun: the early stop compares the ranks' mean approx KL with the target (their sum would
+    stop world_size times too early). 3 epochs of one step; a target 1.5x above the ranks' mean approx KL of the second
+    step (before which the first moved π_θ) lets the third step run."""
+    torch.save(fixed_rollout(tiny, tmp_path, 8), tmp_path / "batch.pt")
+    spawn_2(target_kl_worker, tiny, str(tmp_path / "batch.pt"))
+
+
+def test_the_update_takes_the_beta_of_its_batch(tiny, tmp_path):
+    """With --kl_in loss the KL term's β is the batch's (what the adaptive controller set after the last update), not
+    --kl_coef: the update with batch β 0.5 and --kl_coef 0.1 is the one with both 0.5, not the one with both 0.1."""
+    batch = fixed_rollout(tiny, tmp_path, 8)
+    runs = {}
+    for batch_beta, flag_beta in ((0.5, 0.1), (0.5, 0.5), (0.1, 0.1)):
+        runs[batch_beta, flag_beta], _ = one_update(tiny, {**batch, "kl_coef": batch_beta}, "none", 1, kl_in="loss",
+                                                   kl_coef=flag_beta)
+    assert all(torch.equal(v, runs[0.5, 0.5][k]) for k, v in runs[0.5, 0.1].items())
+    assert not all(torch.equal(v, runs[0.1, 0.1][k]) for k, v in runs[0.5, 0.1].items())
 
 
 def test_ppo_epochs_clips_and_weighs_as_its_flags_say(tiny, tmp_path):
@@ -2179,12 +2246,22 @@ def main_worker(rank, port, tiny, output_dir, flags, out_file):
 
 @needs_gloo
 def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_batch(tiny, tmp_path):
-    spawn_2(main_worker, tiny, str(tmp_path / "run"), dict(whiten_rewards=True), str(tmp_path / "out"))
+    """2 ranks of main(): each its own prompts; rewards and advantages whitened, scores scaled by the running std of
+    every raw score so far, and explained variance, all with the global batch's statistics; the held-out evaluation
+    of 3 prompts (2 per rank, the last repeated to fill rank 1's slice) counts each prompt once."""
+    flags = dict(whiten_rewards=True, score_scaling="running_std", eval_dataset=tiny["txt"])
+    spawn_2(main_worker, tiny, str(tmp_path / "run"), flags, str(tmp_path / "out"))
     ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
     metrics = read_metrics(tmp_path / "run")
     assert [len(r) for r in ranks] == [2, 2] and len(metrics) == 2
+    raw_so_far = []
     for update in range(2):
         a, b = ranks[0][update], ranks[1][update]
+        raw_so_far.append(torch.cat([a["raw_scores"], b["raw_scores"]]).double())
+        std = torch.cat(raw_so_far).std()  # of both ranks' raw scores, all updates so far
+        assert torch.allclose(torch.cat([a["scores"], b["scores"]]).double(), raw_so_far[-1] / std, atol=1e-5)
+        alone = torch.cat([ranks[0][u]["raw_scores"] for u in range(update + 1)]).double().std()
+        assert abs(alone - std) > 1e-3  # the test has teeth: rank 0's own scores have another spread
         returns, values = (torch.cat([a[k][a["response_mask"]], b[k][b["response_mask"]]]).double()
                            for k in ("returns", "values"))
         explained = 1 - (returns - values).var() / returns.var()  # of the global batch, not of one rank
@@ -2196,6 +2273,16 @@ def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_bat
             assert abs(both.var() - 1) < 1e-4 and (not shifted or abs(both.mean()) < 1e-5), key
             alone = a[key][a["response_mask"]].double()  # the test has teeth: one rank's own statistics differ
             assert abs(alone.var() - 1) > 1e-3 or abs(alone.mean() - both.mean()) > 1e-3
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "policy")
+    models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy"), ref_policy=None,
+                             value_model=None, reward_models=[], builtin_reward=False, reward_weights=torch.ones(1),
+                             reward_fns=[(num_words, "num_words")], tokenizer=tokenizer, stop_token_ids=[5],
+                             policy_head=None, ref_head=None)
+    args = P.Args(response_length=6)
+    alone, samples = P.evaluate(models, P.load_prompts(tiny["txt"], args, tokenizer, None), 1, args, P.Runtime())
+    assert len(samples) == 3 and len(read_lines(tmp_path / "run" / "samples.jsonl")) == 2  # rank 0's 2 of 3
+    for key in ("eval/score", "eval/response_length"):
+        assert metrics[-1][key] == pytest.approx(alone[key], abs=1e-6), key
 
 
 @needs_gloo
@@ -2290,10 +2377,11 @@ def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, mo
     monkeypatch.setattr(P, "load_models", lambda *a: loaded_models.append(load_models(*a)) or loaded_models[-1])
     args = run_args(tiny, tmp_path, model_name_or_path=tiny[arch], reward_model_path=[tiny[f"{arch}_rm"]],
                     lora_r=4, lora_alpha=8.0, merge_lora=True, dtype=dtype, learning_rate=1e-2, save_every=2,
-                    gradient_checkpointing=gradient_checkpointing)
+                    gradient_checkpointing=gradient_checkpointing, eval_dataset=tiny["txt"])
     P.main(args)
     metrics = read_metrics(args.output_dir)
     assert all(abs(m["policy/first_ratio"] - 1) < 1e-5 for m in metrics)
+    assert metrics[-1]["eval/kl"] > 1e-3  # the held-out KL's reference is the base, the adapter switched off
     assert loaded_models[0].ref_policy is loaded_models[0].policy  # no copy: the same weights, adapter off
     base = loaded(tiny, arch)
     for batch, logprobs, _, _ in calls:
