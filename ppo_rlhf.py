@@ -32,6 +32,7 @@ Then what it loads: models, data and rewards (the built-in task). Then the syste
 reading: distributed (torchrun, DDP, FSDP2, statistics over ranks) · memory-efficient log-probs · checkpoints,
 resume and signals · logging and metrics.
 """
+import asyncio
 import atexit
 import copy
 import gc
@@ -42,6 +43,7 @@ import math
 import os
 import pickle
 import random
+import re
 import resource
 import runpy
 import shutil
@@ -640,13 +642,14 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
                 logprobs=torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated]))
 
 
-def score(models, batch, prompts, rows, args, rt, scores_only=False):
+def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
     """Phase 2: a no-grad forward of each frozen model over prompt + response, each chunk of rows cut to its longest
     real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on padding), the completions' text, source_scores
     (B, S): each reward model's at the last real token (or on the text, with its own tokenizer), then each reward
-    function's, and raw_scores (B,) = source_scores · w. With bf16/fp16, log π_old is recomputed by the training
-    forward: the first ratio is then 1 (exactly on CPU; CUDA kernels picked by batch shape may differ in the last
-    bits). scores_only (the evaluation): no reference, value or policy forward."""
+    function's (NaN where it gave None), and raw_scores (B,) = Σ_s w_s·source_scores over the sources that scored the
+    row (TRL's meaning of None). trainer_state: what reward functions get as such. With bf16/fp16, log π_old is
+    recomputed by the training forward: the first ratio is then 1 (exactly on CPU; CUDA kernels picked by batch shape
+    may differ in the last bits). scores_only (the evaluation): no reference, value or policy forward."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
     logprobs = batch["logprobs"]  # (B, R), the sampler's; recomputed below under bf16/fp16
     ref_logprobs, values = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, R)
@@ -677,14 +680,14 @@ def score(models, batch, prompts, rows, args, rt, scores_only=False):
             if reward_tokenizer is not None:  # its own tokenizer: it reads the text
                 rm_scores[j] = torch.cat([score_texts(reward_model, reward_tokenizer, prompts, rows[i : i + chunk],
                                                       completions[i : i + chunk]) for i in range(0, len(rows), chunk)])
-    fn_scores = [check_scores(reward_fn([prompts.texts[r] for r in rows], completions), len(mask),
-                              f"--reward_fn {name}").to(rt.device) for reward_fn, name in models.reward_fns]
-    source_scores = torch.stack(rm_scores + fn_scores, 1)  # (B, S)
+    # on every rank (a vote, as for a non-finite loss): a reward function that fails on one rank stops them all
+    fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, responses, trainer_state)
+    source_scores = torch.cat([*[s[:, None] for s in rm_scores], fn_scores.to(rt.device)], 1)  # (B, S)
     if models.ref_policy is None:  # --kl_coef 0: π_ref stands in as π_old, so every KL estimate is 0
         ref_logprobs = logprobs
     return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
                 values=values.masked_fill(~mask, 0.0), completions=completions, source_scores=source_scores,
-                raw_scores=(source_scores * models.reward_weights).sum(1))
+                raw_scores=(source_scores * models.reward_weights).nansum(1))
 
 
 def reference_weights(models, args):
@@ -719,7 +722,7 @@ def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
     return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
 
 
-def evaluate(models, prompts, update, args, rt):
+def evaluate(models, prompts, update, args, rt, trainer_state):
     """Held-out evaluation: each prompt answered once at --eval_temperature (0: greedy), with a random stream of its
     own seeded from (seed, update), never the training's: a run trains the same with or without it. Rank r takes
     the r-th of world_size equal slices (the last prompt repeats to fill them: sharded models must run alike).
@@ -734,7 +737,7 @@ def evaluate(models, prompts, update, args, rt):
     queries, query_mask = left_pad([prompts.ids[r] for r in rows], models.tokenizer.pad_token_id)
     queries, query_mask = queries.to(rt.device), query_mask.to(rt.device)
     batch = rollout(models, queries, query_mask, args, rt, args.eval_temperature, generator)
-    scored = score(models, batch, prompts, rows, args, rt, scores_only=True)
+    scored = score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=True)
     metrics = {"eval/score": (scored["raw_scores"] * real).sum(),
                "eval/response_length": (batch["lengths"] * real).sum()}
     if models.ref_policy is not None:
@@ -913,7 +916,7 @@ def main(args: Args):
     transformers.utils.logging.disable_progress_bar()  # loading and saving bars would bury the per-update lines
     model_path, dataset, eval_dataset = builtin_task(args)  # written before the process group exists (see there)
     rt = start_processes(args)  # torchrun: join the process group; device and precision
-    output_dir = from_rank_0(args.output_dir or f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    output_dir = from_rank_0(args.output_dir or default_output_dir(args))
     inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # fails before models load
     prompts = inputs.prompts
     random.seed(args.seed)
@@ -926,8 +929,7 @@ def main(args: Args):
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
     log = Logger(args, output_dir, sizes, rt, len(prompts.texts), models)
-    start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log,
-                                    models.stop_token_ids)
+    start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     for update in range(start_update, sizes.num_updates):
         clock = Clock()
@@ -946,7 +948,7 @@ def main(args: Args):
         clock.lap("generate")
 
         # 2. score: log π_ref and V(s_t) of every response token, and the score of each response
-        batch.update(score(models, batch, prompts, rows, args, rt))
+        batch.update(score(models, batch, prompts, rows, args, rt, trainer_state(update, sizes, args, prompts)))
         scores = batch["raw_scores"]  # (B,)
         if args.missing_eos_penalty is not None:  # responses without a stop id
             scores = scores - args.missing_eos_penalty * batch["truncated"].float()
@@ -981,7 +983,9 @@ def main(args: Args):
         model.train()
         trained = ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt)
         lr = lr_scheduler.get_last_lr()[0]
-        lr_scheduler.step()
+        with warnings.catch_warnings():  # a first update with every step skipped: torch warns of the order
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
+            lr_scheduler.step()
         progress["bad_updates"] = count_bad_updates(progress["bad_updates"], trained.stop_reason, update, log)
         clock.lap("train")
 
@@ -990,7 +994,8 @@ def main(args: Args):
         samples = []
         if inputs.eval_prompts and log.evaluates(update):  # held-out prompts, after this update's epochs
             model.eval()
-            eval_metrics, samples = evaluate(models, inputs.eval_prompts, update, args, rt)
+            eval_metrics, samples = evaluate(models, inputs.eval_prompts, update, args, rt,
+                                             trainer_state(update + 1, sizes, args, prompts))
             metrics.update(eval_metrics)
         log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows, samples)
         if args.adaptive_kl_target is not None:  # from the KL of the global batch: every rank gets the same β
@@ -999,13 +1004,33 @@ def main(args: Args):
         stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # a signal on any rank
         if stop or (args.save_every and (update + 1) % args.save_every == 0):
             saved = save_checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, model, optimizer,
-                                    lr_scheduler, scaler, args, rt, models.stop_token_ids)
+                                    lr_scheduler, scaler, args, rt, models)
             if stop:
-                log.print(f"saved {saved}; continue with the same flags plus --resume auto")
+                log.print(f"saved {saved}; continue with the same flags plus: --output_dir {output_dir} "
+                          "--resume auto")
                 return log.last
     written = save_final(model, models, args, output_dir, rt)
     log.finish(f"saved {written} to {output_dir}")
     return log.last
+
+
+def trainer_state(updates_done, sizes, args, prompts):
+    """What reward functions get as trainer_state (TRL's fields): updates done and in the run, passes over the
+    prompts."""
+    epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
+    return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
+
+
+def default_output_dir(args):
+    """runs/<exp_name>__<seed>__<unix time>; with --resume auto, the newest such folder of this --exp_name and --seed
+    that holds a checkpoint (if any)."""
+    prefix = f"{args.exp_name}__{args.seed}__"
+    if args.resume == "auto" and os.path.isdir("runs"):
+        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
+                and list_checkpoints(os.path.join("runs", d))]
+        if runs:
+            return os.path.join("runs", max(runs, key=lambda d: int(d[len(prefix):])))
+    return f"runs/{prefix}{int(time.time())}"
 
 
 def count_bad_updates(bad_updates, stop_reason, update, log):
@@ -1099,9 +1124,28 @@ def fit_tokenizer(model, tokenizer):
 
 def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     """Every check that needs files but no model weights, so that bad input fails before minutes of loading: the
-    output folder, the checkpoint to resume, wandb for --track, the models' configs (a reward model must be a sequence
-    classifier with one label), the policy's tokenizer, the prompts, the reward functions. -> tokenizer, prompts,
-    eval_prompts, reward_fns [(function, its flag value)]."""
+    output folder, the models' configs, the policy's tokenizer and stop ids, the prompts, the rewards. -> tokenizer,
+    prompts, eval_prompts, reward_tokenizers, reward_fns, stop_token_ids, stored_dtypes."""
+    check_output(args, output_dir)
+    configs, reward_configs, stored_dtypes = check_configs(args, model_path)
+    base = adapter_base(model_path)
+    has_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
+    tokenizer_path = base if base and not has_tokenizer else model_path  # an adapter without a tokenizer: its base's
+    tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args))
+    policy_config = configs["model_name_or_path"]
+    stop_token_ids = resolve_stop_token_ids(args, tokenizer, base or model_path, policy_config)
+    context = getattr(policy_config, "max_position_embeddings", None)
+    prompts = load_prompts(dataset, args, tokenizer, context)
+    eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
+    reward_tokenizers, reward_fns = check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts,
+                                                  stop_token_ids)
+    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fns=reward_fns,
+                           reward_tokenizers=reward_tokenizers, stop_token_ids=stop_token_ids,
+                           stored_dtypes=stored_dtypes)
+
+
+def check_output(args, output_dir):
+    """The output folder (writable, no run in it unless resumed), the checkpoint to resume, wandb and peft."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output_dir {output_dir!r} is a file; give a folder")
     parent = os.path.abspath(output_dir)
@@ -1121,6 +1165,11 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
             fail("--track needs `pip install wandb`")
     if args.lora_r:
         import_peft("--lora_r")
+
+
+def check_configs(args, model_path):
+    """The models' configs (an adapter folder's: its base's; a reward model must be a sequence classifier with one
+    label) -> {flag: config}, {reward model path: config}, {path: the dtype its weights are stored in}."""
     configs, sources = {}, {}  # {flag: config}, {path: config} of every model
     for flag, path in (("model_name_or_path", model_path), ("ref_model_path", args.ref_model_path),
                        ("value_model_path", args.value_model_path)):
@@ -1145,16 +1194,13 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     if args.dtype == "fp16" and bf16_stored and int(os.environ.get("RANK", 0)) == 0:
         print(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype fp16 can overflow "
               "where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
-    base = adapter_base(model_path)
-    has_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
-    tokenizer_path = base if base and not has_tokenizer else model_path  # an adapter without a tokenizer: its base's
-    tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args))
-    policy_config = configs["model_name_or_path"]
-    stop_token_ids = resolve_stop_token_ids(args, tokenizer, base or model_path, policy_config)
-    context = getattr(policy_config, "max_position_embeddings", None)
-    prompts = load_prompts(dataset, args, tokenizer, context)
-    eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
-    reward_tokenizers = []  # each reward model's own tokenizer, or None where it reads the policy's token ids
+    return configs, reward_configs, stored_dtypes
+
+
+def check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts, stop_token_ids):
+    """-> each reward model's own tokenizer (None where it reads the policy's token ids), its context checked against
+    the prompts; and the reward functions [(function, its flag value, how it is called: see reward_call)]."""
+    reward_tokenizers = []
     for path in args.reward_model_path or []:
         reward_tokenizer = from_pretrained(AutoTokenizer, path, "reward_model_path", args)
         if tokenizer.get_vocab().items() >= reward_tokenizer.get_vocab().items():
@@ -1167,9 +1213,10 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
     if not reward_fns and not args.reward_model_path:  # check_args allows it with the built-in prompts only
         reward_fns = [(addition_reward, "addition_reward")]
-    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fns=reward_fns,
-                           reward_tokenizers=reward_tokenizers, stop_token_ids=stop_token_ids,
-                           stored_dtypes=stored_dtypes)
+        if ADDITION_WORDS.index("<eos>") not in stop_token_ids:
+            fail("the built-in task's answers end at its EOS, which is not a stop id here: keep --stop_token eos")
+    fields = {"dataset": list(prompts.fields), **({"eval_dataset": list(eval_prompts.fields)} if eval_prompts else {})}
+    return reward_tokenizers, [(fn, spec, reward_call(fn, spec, fields)) for fn, spec in reward_fns]
 
 
 def stored_dtype(path, config):
@@ -1263,8 +1310,8 @@ def load_models(args, model_path, inputs, rt):
                                                              reward_models[0][1] is None, base_paths, rt)
     if value_model is not None:
         source_dtypes["value_model"] = inputs.stored_dtypes[adapter_base(value_path) or value_path]
-    num_sources, builtin_reward = len(reward_models) + len(inputs.reward_fns), inputs.reward_fns == [
-        (addition_reward, "addition_reward")]
+    num_sources = len(reward_models) + len(inputs.reward_fns)
+    builtin_reward = [spec for _, spec, _ in inputs.reward_fns] == ["addition_reward"]
     policy.to(rt.device)
     # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
     # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
@@ -1366,9 +1413,13 @@ def left_pad(sequences, pad_token_id):
 
 
 def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
-    """-> texts, token ids and chat messages (None for plain text) of the prompts, checked: some, none empty, and
-    each short enough for the policy's context (its max_position_embeddings, if any) with --response_length."""
-    texts, ids, messages = render_prompts(read_prompts(dataset, args.dataset_train_split, flag), tokenizer, flag)
+    """-> texts, token ids and chat messages (None for plain text) of the prompts, and the other fields of their rows
+    ({name: a value per row, None where a row lacks it}), checked: some, none empty, and each short enough for the
+    policy's context (its max_position_embeddings, if any) with --response_length."""
+    rows = read_prompts(dataset, args.dataset_train_split, flag)
+    texts, ids, messages = render_prompts([row.get("prompt", row.get("messages")) for row in rows], tokenizer, flag)
+    names = dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED_FIELDS)  # in order, once each
+    fields = {name: [row.get(name) for row in rows] for name in names}
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
     if min(len(i) for i in ids) == 0:
@@ -1377,11 +1428,15 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     if context and len(ids[longest]) + args.response_length > context:
         fail(f"--{flag}: prompt {longest} has {len(ids[longest])} tokens, which with --response_length "
              f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
-    return SimpleNamespace(texts=texts, ids=ids, messages=messages)
+    return SimpleNamespace(texts=texts, ids=ids, messages=messages, fields=fields)
+
+
+NOT_PASSED_FIELDS = ("prompt", "completion", "completion_ids", "messages")  # the row fields TRL passes on are the rest
 
 
 def read_prompts(dataset, split, flag="dataset"):
-    """-> list of prompts, each a string or a list of chat messages."""
+    """-> the dataset's rows, each a dict with a `prompt` (a string) or `messages` (a list of chat messages) and
+    whatever other fields it has (a .txt file's have none)."""
     if dataset.endswith((".txt", ".jsonl")):
         try:
             with open(dataset, encoding="utf-8") as f:
@@ -1389,13 +1444,14 @@ def read_prompts(dataset, split, flag="dataset"):
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--{flag} {dataset!r} cannot be read: {e}")
         if dataset.endswith(".txt"):
-            return lines
+            return [{"prompt": line} for line in lines]
         rows = []
         for i, line in enumerate(lines):
             try:
-                row = json.loads(line)
-                rows.append(row["prompt"] if "prompt" in row else row["messages"])
-            except (ValueError, KeyError, TypeError):
+                rows.append(json.loads(line))
+                if not isinstance(rows[-1].get("prompt", rows[-1].get("messages")), (str, list)):
+                    raise ValueError
+            except (ValueError, AttributeError):
                 fail(f"--{flag} {dataset!r} line {i + 1}: expected a JSON object with a `prompt` or `messages` field")
         return rows
     if os.path.exists(dataset):
@@ -1408,10 +1464,9 @@ def read_prompts(dataset, split, flag="dataset"):
         data = datasets.load_dataset(dataset, split=split)
     except Exception as e:  # datasets raises many kinds; all mean this flag is wrong
         fail(f"--{flag} {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
-    column = "prompt" if "prompt" in data.column_names else "messages"
-    if column not in data.column_names:
+    if "prompt" not in data.column_names and "messages" not in data.column_names:
         fail(f"--{flag} {dataset!r} has no `prompt` or `messages` column")
-    return list(data[column])
+    return list(data)
 
 
 def render_prompts(rows, tokenizer, flag="dataset"):
@@ -1426,54 +1481,133 @@ def render_prompts(rows, tokenizer, flag="dataset"):
 
 
 def load_reward_fn(spec):
-    """`module:function` or `file.py:function` -> the function."""
+    """`module:function` (a module from the current folder first, as `python -m` would find it, then the script's and
+    the installed ones) or `file.py:function` (a path) -> the function."""
     module, _, name = spec.rpartition(":")
     if not module or not name:
         fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
+    sys.path.insert(0, os.getcwd())  # sys.path[0] is the script's folder, not the current one
     try:
         namespace = runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module))
     except (ImportError, OSError) as e:
         fail(f"--reward_fn {spec!r} cannot be loaded: {type(e).__name__}: {e}")
+    finally:
+        sys.path.remove(os.getcwd())
     if not callable(namespace.get(name)):
         fail(f"--reward_fn {spec!r}: {module} has no function {name!r}")
     return namespace[name]
 
 
-def check_scores(scores, n, source):
-    """A reward function's output -> float32 tensor (n,), or a clear error."""
-    try:
-        scores = torch.tensor([float(s) for s in scores], dtype=torch.float32)
-    except (TypeError, ValueError):
-        fail(f"{source} must return a list of floats, got {type(scores).__name__}")
-    if len(scores) != n:
-        fail(f"{source} returned {len(scores)} scores for {n} completions")
-    bad = (~torch.isfinite(scores)).nonzero()
-    if len(bad):
-        fail(f"{source} returned a non-finite score ({scores[bad[0, 0]].item()}) for completion {bad[0, 0].item()}")
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")  # TRL's keywords
+TRL_ONLY_ARGUMENTS = ("log_extra", "log_metric", "environments")  # TRL's trainer passes these; this script does not
+POSITIONAL = "positional"  # (prompts, completions), as reward functions were called before keywords
+
+
+def reward_call(fn, spec, fields):
+    """How to call a reward function, from its signature: with **kwargs, None (every argument by keyword: TRL's and
+    each field of the rows); else the names it asks for; a function that names none of them, with two positional
+    parameters: POSITIONAL. fields: {flag: the field names of its rows}, each checked to fill what the function needs.
+    Anything else is one line."""
+    params = inspect.signature(fn).parameters.values()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = {p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    if named & set(TRL_ONLY_ARGUMENTS):
+        fail(f"--reward_fn {spec!r} asks for {sorted(named & set(TRL_ONLY_ARGUMENTS))}, which only TRL's trainers give")
+    for flag, names in fields.items():
+        clash = set(names) & {"prompts", "completions", "trainer_state"}
+        if clash:
+            fail(f"--{flag} has a field named {sorted(clash)[0]!r}, as a reward function's argument; rename it")
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        how = None
+    elif named & set(REWARD_ARGUMENTS).union(*fields.values()):
+        how = tuple(sorted(named & set(REWARD_ARGUMENTS).union(*fields.values())))
+    elif len(positional) == 2 and required == {p.name for p in positional}:
+        return POSITIONAL
+    else:
+        fail(f"--reward_fn {spec!r} takes {inspect.signature(fn)}: give it (prompts, completions), or keywords "
+             f"({', '.join(REWARD_ARGUMENTS)}, a field of the rows, **kwargs)")
+    for flag, names in fields.items():
+        missing = sorted(required - set(REWARD_ARGUMENTS) - set(names))
+        if missing:
+            fail(f"--reward_fn {spec!r} needs {missing[0]!r}, which the rows of --{flag} do not have (their fields: "
+                 f"{sorted(names) or 'none'})")
+    return how
+
+
+def reward_function_scores(models, prompts, rows, completions, completion_ids, trainer_state):
+    """Each reward function's scores of the completions to prompts[rows] -> (B, F), NaN where a function gave None.
+    By keyword (see reward_call) it gets TRL's arguments: prompts and completions as text, or for a chat row its
+    messages and [{"role": "assistant", "content": text}]; completion_ids, up to the stop id; trainer_state; and
+    each field of the rows. An exception, a wrong count, a NaN, or a row no source scores is one line."""
+    chat = [prompts.messages[r] is not None for r in rows]
+    given = dict(prompts=[prompts.messages[r] if c else prompts.texts[r] for r, c in zip(rows, chat)],
+                 completions=[[{"role": "assistant", "content": t}] if c else t for t, c in zip(completions, chat)],
+                 completion_ids=completion_ids, trainer_state=trainer_state,
+                 **{name: [values[r] for r in rows] for name, values in prompts.fields.items()})
+    columns = []
+    for fn, spec, how in models.reward_fns:
+        try:
+            if how == POSITIONAL:
+                out = fn([prompts.texts[r] for r in rows], completions)
+            else:
+                out = fn(**{k: v for k, v in given.items() if how is None or k in how})
+            if inspect.isawaitable(out):  # an async def function
+                out = asyncio.run(out)
+        except Exception as e:  # noqa: BLE001 (the user's code: one line, with where it was raised)
+            fail(f"--reward_fn {spec} raised {one_line(e)}")
+        columns.append(check_scores(out, len(rows), f"--reward_fn {spec}"))
+    scores = torch.stack(columns, 1) if columns else torch.zeros(len(rows), 0)
+    unscored = scores.isnan().all(1).nonzero() if columns and not models.reward_models else []
+    if len(unscored):
+        fail(f"--reward_fn {', '.join(spec for _, spec, _ in models.reward_fns)}: no source scored completion "
+             f"{unscored[0, 0].item()} (None from every function)")
     return scores
 
 
-def addition_reward(prompts, completions):
-    """The built-in task's reward for prompts `a + b =`: 1 for exactly the sum, ½ for the sum followed by more words,
-    0 otherwise. The half point is partial credit: a random policy stops right after the right number about once in
-    600 tries, too rarely to learn from; it finds the right number 1 time in 24. It reads the decoded text, which has
-    no special tokens: the sum then <pad> scores as the sum then EOS, and the policy learns to use that (README)."""
-    scores = []
-    for prompt, completion in zip(prompts, completions):
-        a, _, b, _ = prompt.split()[-4:]
-        words, answer = completion.split(), str(int(a) + int(b))
-        scores.append(1.0 if words == [answer] else 0.5 if words[:1] == [answer] else 0.0)
+def check_scores(scores, n, source):
+    """A reward function's output -> float32 tensor (n,), NaN where it gave None (no score), or one line."""
+    try:
+        scores = list(scores)
+        values = [math.nan if s is None else float(s) for s in scores]
+    except (TypeError, ValueError):
+        fail(f"{source} must return a list of floats (or None), got {type(scores).__name__}")
+    if len(values) != n:
+        fail(f"{source} returned {len(values)} scores for {n} completions")
+    bad = [i for i, (s, v) in enumerate(zip(scores, values)) if s is not None and not math.isfinite(v)]
+    if bad:
+        fail(f"{source} returned a non-finite score ({values[bad[0]]}) for completion {bad[0]}")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+ADDITION_WORDS = ["<pad>", "<eos>", "<unk>", "+", "="] + [str(i) for i in range(19)]  # the built-in task's vocabulary
+ADDITION_PARTIAL_CREDIT = 0.5
+ADDITION_REWARD = "token ids"  # how addition_reward scores, kept in checkpoints (before: the text)
+
+
+def addition_reward(completion_ids, answer, **kwargs):
+    """The built-in task's reward, from the token ids and each row's `answer`: 1 for exactly the sum then EOS, partial
+    credit for the sum then anything else (<pad> and <unk> too), 0 otherwise. The partial credit is what a random
+    policy can learn from: it finds the right number 1 time in 24, and stops right after it once in ~600 tries."""
+    eos, scores = ADDITION_WORDS.index("<eos>"), []
+    for ids, expected in zip(completion_ids, answer):
+        right = ids[:1] == [ADDITION_WORDS.index(expected)]
+        scores.append(1.0 if right and ids[1:] == [eos] else ADDITION_PARTIAL_CREDIT if right else 0.0)
     return scores
 
 
 def builtin_task(args):
     """-> the paths of the policy, the prompts and the eval prompts (or None). `builtin` ones belong to the built-in
-    task, which each process writes into its own temp folder (deleted at exit), before the process group exists:
-    under torchrun, transformers' save_pretrained writes on rank 0 only."""
+    task, which each process writes into its own temp folder (deleted at exit; a killed run's at the next start),
+    before the process group exists: under torchrun, transformers' save_pretrained writes on rank 0 only."""
     model_path, dataset = args.model_name_or_path, args.dataset
     eval_dataset = None if args.eval_dataset == "builtin" else args.eval_dataset
     if "builtin" in (model_path, dataset):
-        folder = tempfile.mkdtemp(prefix="ppo_rlhf_builtin_")
+        for old in os.listdir(tempfile.gettempdir()):  # ppo_rlhf_builtin_<pid>_*: remove those of ended processes
+            pid = old.split("_")[3] if old.startswith("ppo_rlhf_builtin_") and old.count("_") >= 4 else ""
+            if pid.isdigit() and not process_alive(int(pid)):
+                shutil.rmtree(os.path.join(tempfile.gettempdir(), old), ignore_errors=True)
+        folder = tempfile.mkdtemp(prefix=f"ppo_rlhf_builtin_{os.getpid()}_")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         held_out = dataset == "builtin" and args.eval_dataset == "builtin"
         builtin_model, builtin_prompts, builtin_eval = build_addition_task(folder, args.seed, held_out)
@@ -1483,14 +1617,25 @@ def builtin_task(args):
     return model_path, dataset, eval_dataset
 
 
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)  # no signal: only asks whether it exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def build_addition_task(folder, seed, held_out=True):
-    """The built-in task: 100 prompts `a + b =` (a, b in 0..9) and a tiny randomly initialised Llama with a
-    word-level tokenizer, both written to `folder` and then loaded like any hub model. held_out: 20 of the sums (the
-    same for every seed) are kept apart for evaluation. -> model folder, prompts file, eval prompts file (or None)."""
+    """The built-in task: 100 prompts `a + b =` (a, b in 0..9), each with its `answer`, and a tiny randomly initialised
+    Llama with a word-level tokenizer, written to `folder` and then loaded like any hub model. held_out: 20 of the sums
+    (the same for every seed) are kept apart for evaluation. -> model folder, prompts file, eval prompts file (or
+    None), both .jsonl."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    words = ["<pad>", "<eos>", "<unk>", "+", "="] + [str(i) for i in range(19)]
+    words = ADDITION_WORDS
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
@@ -1502,12 +1647,12 @@ def build_addition_task(folder, seed, held_out=True):
     model_dir = os.path.join(folder, "model")
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    sums = [f"{a} + {b} =\n" for a in range(10) for b in range(10)]
+    sums = [json.dumps({"prompt": f"{a} + {b} =", "answer": str(a + b)}) + "\n" for a in range(10) for b in range(10)]
     held_out_sums = torch.randperm(100, generator=torch.Generator().manual_seed(0))[:20].tolist()
     evaluated = sorted(held_out_sums) if held_out else []
     files = []
     for name, rows in (("prompts", [i for i in range(100) if i not in evaluated]), ("eval_prompts", evaluated)):
-        files.append(os.path.join(folder, f"{name}.txt") if rows else None)
+        files.append(os.path.join(folder, f"{name}.jsonl") if rows else None)
         if rows:
             with open(files[-1], "w") as f:
                 f.writelines(sums[i] for i in rows)
@@ -1575,10 +1720,7 @@ def agreed(check, *args):
     except SystemExit as e:
         result, error = None, str(e)
     except Exception as e:  # noqa: BLE001 (every rank must learn of it)
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        result, error = None, (f"error: {type(e).__name__}: {message} ({os.path.basename(where.filename)}:"
-                               f"{where.lineno}, in {where.name})")
+        result, error = None, f"error: {one_line(e)}"
     errors = [error]
     if dist.is_available() and dist.is_initialized():
         errors = [None] * dist.get_world_size()
@@ -1588,6 +1730,13 @@ def agreed(check, *args):
         leave_process_group()  # every rank is here, none in a collective: leave together
         raise SystemExit(failed[0] if int(os.environ.get("RANK", 0)) == 0 else 1)
     return result
+
+
+def one_line(exception):
+    """An exception as one line: its type, the first line of its message, and where it was raised (file:line)."""
+    where = traceback.extract_tb(exception.__traceback__)[-1]
+    message = (str(exception).strip().splitlines() or [""])[0]
+    return f"{type(exception).__name__}: {message} ({os.path.basename(where.filename)}:{where.lineno}, in {where.name})"
 
 
 def leave_process_group():
@@ -1791,8 +1940,9 @@ def save_final(model, models, args, output_dir, rt):
                 save_folder(base, lambda tmp: save_weights(part.get_base_model(), tmp, base_state, dtype))
                 written[f"{label} base"] = dtype_name(dtype)
             part.peft_config["default"].base_model_name_or_path = base
-            save_folder(os.path.join(output_dir, name), lambda tmp: (part.save_pretrained(tmp, state_dict=state),
-                                                                     models.tokenizer.save_pretrained(tmp)))
+            save_folder(os.path.join(output_dir, name),  # quietly: peft notes that it saves tied embeddings
+                        lambda tmp: (quietly(part.save_pretrained, tmp, state_dict=state),
+                                     models.tokenizer.save_pretrained(tmp)))
             written[f"{label} adapter"] = "fp32"
         else:
             save_folder(os.path.join(output_dir, name), lambda tmp: (save_weights(part, tmp, state, dtype),
@@ -1848,11 +1998,11 @@ def list_checkpoints(output_dir):
                   if d.startswith("checkpoint-") and not d.endswith(".tmp"))
 
 
-def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, stop_token_ids):
+def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models):
     """All the run needs to go on exactly: weights, optimizer, schedule, GradScaler, the update counter (the prompt
     stream's position and every seed follow from it), the loop's `progress` (see no_progress), the algorithmic
-    flags and the resolved stop ids. Rank 0 writes a .tmp folder, flushes and renames it (a checkpoint-N folder is
-    always complete); the newest save_total_limit stay."""
+    flags, the resolved stop ids and which built-in reward it ran with. Rank 0 writes a .tmp folder, flushes and
+    renames it (a checkpoint-N folder is always complete); the newest save_total_limit stay."""
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
     if args.lora_r:  # only what trains: the adapters and the value head (the base is the checkpoint it started from)
         inner = model.module if hasattr(model, "module") else model  # DDP
@@ -1866,7 +2016,7 @@ def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler
         state = dict(update=update, **progress, model=weights, optimizer=optimizer_state,
                      lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(), world_size=rt.world_size,
                      config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS},
-                     stop_token_ids=stop_token_ids)
+                     stop_token_ids=models.stop_token_ids, addition_reward=models.builtin_reward and ADDITION_REWARD)
         torch.save(state, os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "state.pt"), "rb") as f:
             os.fsync(f.fileno())
@@ -1879,7 +2029,7 @@ def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler
     return path
 
 
-def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, stop_token_ids):
+def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models):
     """Restore what save_checkpoint wrote, on every rank (weights_only loading: nothing in a checkpoint runs code).
     -> the update it was written after, and the loop's progress then (see no_progress)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
@@ -1895,10 +2045,13 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, stop
     changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS | stop_flags and saved[k] != v]
     if changed:
         fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
-    if stop_flags and state["stop_token_ids"] != stop_token_ids:  # e.g. the policy's generation_config changed
+    if stop_flags and state["stop_token_ids"] != models.stop_token_ids:  # e.g. the policy's generation_config changed
         then = state["stop_token_ids"]
-        fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {stop_token_ids}: give "
+        fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {models.stop_token_ids}: give "
              + (f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"))
+    if models.builtin_reward and state.get("addition_reward") != ADDITION_REWARD:
+        fail(f"--resume {path!r} ran the built-in task with its earlier reward (on the text: the sum then <pad> scored "
+             "as the sum then EOS); start a new run")
     if state["world_size"] != rt.world_size:  # the global batch, hence the prompt stream, depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
@@ -1916,7 +2069,7 @@ def no_progress(args):
     return dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0))
 
 
-def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, stop_token_ids):
+def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
     """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
     and drop the lines of later updates from metrics.jsonl and samples.jsonl (no duplicate, no gap). -> (first update
     to run, the loop's progress: see no_progress)."""
@@ -1929,8 +2082,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, st
     start_update, progress = 0, no_progress(args)
     for i, path in enumerate(candidates):
         try:
-            start_update, progress = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt,
-                                                     stop_token_ids)
+            start_update, progress = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models)
             log.print(f"resumed from {path} after update {start_update}")
             break
         except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
@@ -1940,6 +2092,8 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, st
             log.print(f"warning: skipping damaged checkpoint {path}: {reason}", file=sys.stderr)
     if not candidates and os.path.exists(metrics_path):
         fail(f"--resume auto: {output_dir!r} has metrics.jsonl but no checkpoint to resume from")
+    if not candidates:
+        log.print(f"--resume auto: no checkpoint in {output_dir}, nothing to resume: starting at update 1")
     if all_ranks_sum(torch.tensor([start_update], device=rt.device)).item() != start_update * rt.world_size:
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
              "is --output_dir on a filesystem every node sees?")
@@ -1965,8 +2119,9 @@ def request_stop(signum, frame):
     if STOP_SIGNALS:
         return
     STOP_SIGNALS.append((signum, time.monotonic()))
-    print(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr,
-          flush=True)
+    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank gets the signal; one notice
+        print(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr,
+              flush=True)
 
 
 # --------------------------------------------------------- logging and metrics (systems: a first reading may skip this)
@@ -2016,8 +2171,8 @@ def update_metrics(batch, trained, models, args, rt):
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
     num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # (B, S): the reward models first
     sources = [f"rm{j}" for j in range(num_rms)] + [f"fn{j}" for j in range(len(models.reward_fns))]
-    if len(sources) > 1:  # each source's mean raw score
-        averaged.update({f"objective/raw_scores/{name}": x.mean() for name, x in zip(sources, source_scores.T)})
+    if len(sources) > 1:  # each source's mean raw score, over the rows it scored
+        averaged.update({f"objective/raw_scores/{name}": x.nanmean() for name, x in zip(sources, source_scores.T)})
     if num_rms > 1:  # the reward models' disagreement, mean over responses
         averaged["objective/rm_spread"] = reward_model_spread(source_scores, num_rms).mean()
     summed = {"val/num_eos_tokens": (~batch["truncated"]).sum(), "rollout": mask.sum(),  # responses with a stop id
@@ -2147,7 +2302,8 @@ class Logger:
                 self.hinted[name] = update
                 self.print(f"hint: update {update}: {hint}", file=sys.stderr)
         if self.sample_every and self.evaluates(update - 1):  # the evaluation's schedule
-            for r, c, s in list(zip(rows, batch["completions"], batch["scores"].tolist()))[:3]:
+            shown = list(zip(rows, batch["completions"], batch["scores"].tolist()))[:: self.args.num_generations]
+            for r, c, s in shown[:3]:  # one response per prompt: a group is k rows of one prompt
                 self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
         if "eval/score" in m:
             success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""

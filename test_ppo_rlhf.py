@@ -2,6 +2,7 @@
 tiny GPT-2 and Llama models saved with save_pretrained and loaded back, and the whole loop end to end. CPU only,
 nothing downloaded. Run: pytest -q test_ppo_rlhf.py"""
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -48,6 +50,71 @@ def nan_score(prompts, completions):
 
 def huge_score(prompts, completions):
     return [1e30 * (i % 2) for i in range(len(completions))]
+
+
+def log_call(**given):
+    """Append what a reward function was given to $REWARD_LOG.<rank> (one JSON line per call)."""
+    if os.environ.get("REWARD_LOG"):
+        with open(f"{os.environ['REWARD_LOG']}.{os.environ.get('RANK', '0')}", "a") as f:
+            f.write(json.dumps(given) + "\n")
+
+
+def answer_matches(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+    """As TRL calls it: 1 for a completion whose first word is its row's answer."""
+    log_call(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer, fields=kwargs,
+             state=vars(trainer_state))
+    return [float(c.split()[:1] == [a]) for c, a in zip(completions, answer)]
+
+
+def accuracy_reward(completions, solution, **kwargs):
+    """The shape of TRL's accuracy_reward: chat completions, the row's `solution`."""
+    log_call(prompts=kwargs["prompts"], completions=completions, solution=solution)
+    return [float(c[0]["content"].split()[:1] == [s]) for c, s in zip(completions, solution)]
+
+
+def two_params(p, c):
+    """Names none of the arguments: called (prompts, completions) positionally, as before keywords."""
+    log_call(prompts=p, completions=c)
+    return [0.0] * len(c)
+
+
+def chat_words(completions, **kwargs):
+    """The words of each chat completion (a list of one assistant message)."""
+    return [float(len(c[0]["content"].split())) for c in completions]
+
+
+def none_for_first(completions, **kwargs):
+    return [None] + [1.0] * (len(completions) - 1)
+
+
+def none_for_all(completions, **kwargs):
+    return [None] * len(completions)
+
+
+async def async_count_w1(completions, **kwargs):
+    return count_w1(None, completions)
+
+
+def raises(completions, **kwargs):
+    raise ValueError("the grader is down")
+
+
+def fails_on_rank_1(completions, **kwargs):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank 1's grader is down")
+    return [0.0] * len(completions)
+
+
+def one_param(x):
+    return [0.0] * len(x)
+
+
+def needs_answer(completions, answer):
+    return [0.0] * len(completions)
+
+
+def wants_log_metric(completions, log_metric, **kwargs):
+    return [0.0] * len(completions)
 
 
 # ------------------------------------------------------------------------------------------- tiny models, built offline
@@ -129,6 +196,22 @@ def tiny(tmp_path_factory):
             n = int(torch.randint(2, 7, (1,), generator=gen))
             words = [WORDS[int(t)] for t in torch.randint(3, len(WORDS), (n,), generator=gen)]
             f.write(json.dumps({"prompt": " ".join(words)}) + "\n")
+    with open(paths["prompts"]) as f:  # the same prompts with the fields of a verifiable-reward dataset
+        rows = [{**json.loads(line), "answer": f"w{i % 7}", **({"note": i} if i % 2 else {})}
+                for i, line in enumerate(f)]
+    paths["answers"] = str(root / "answers.jsonl")
+    with open(paths["answers"], "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    paths["answers_eval"] = str(root / "answers_eval.jsonl")
+    with open(paths["answers_eval"], "w") as f:
+        f.writelines(json.dumps({"prompt": f"w{i} w{i + 9}", "answer": f"w{30 + i}", "note": -i}) + "\n"
+                     for i in range(3))
+    paths["chat_solutions"] = str(root / "chat_solutions.jsonl")
+    with open(paths["chat_solutions"], "w") as f:  # the last row ends in an assistant turn, which is dropped
+        for i in range(8):
+            messages = [{"role": "user", "content": f"w{i} w{i + 1}"}]
+            messages += [{"role": "assistant", "content": "w9"}] if i == 7 else []
+            f.write(json.dumps({"messages": messages, "solution": f"w{i + 2}"}) + "\n")
     paths["txt"] = str(root / "prompts.txt")
     with open(paths["txt"], "w") as f:
         f.write("w1 w2 w3\n\nw4 w5\nw6\n")
@@ -173,8 +256,8 @@ def test_a_renamed_copy_runs_its_own_built_in_task(tmp_path):
     saved as another name, next to an unchanged ppo_rlhf.py, uses its own (here edited to score everything 0.25)."""
     source = open(SCRIPT).read()
     edited = "        scores.append(0.25)\n    return scores\n"
-    fork = source.replace("        scores.append(1.0 if words == [answer] else 0.5 if words[:1] == [answer] else 0.0)\n"
-                          "    return scores\n", edited)
+    fork = source.replace("        scores.append(1.0 if right and ids[1:] == [eos] else ADDITION_PARTIAL_CREDIT "
+                          "if right else 0.0)\n    return scores\n", edited)
     assert fork != source
     (tmp_path / "my_ppo.py").write_text(fork)
     (tmp_path / "ppo_rlhf.py").write_text(source)
@@ -886,6 +969,162 @@ def test_several_reward_sources_give_the_weighted_score_and_log_their_spread(tin
     assert f"rm_spread {metrics['rms']['eval/rm_spread']:.3f}  (held-out" in out
 
 
+def test_a_trl_style_reward_function_gets_the_values_of_each_row(tiny, tmp_path, monkeypatch):
+    """A reward function written for TRL (prompts, completions, completion_ids, answer, trainer_state, **kwargs) under
+    GRPO with k = 4: each completion comes with its own row's answer and other fields (None where the row lacks one),
+    the 4 responses to a prompt with that row's values 4 times, its token ids up to the stop id, the updates done; the
+    held-out evaluation passes its own file's fields."""
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "log"))
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:answer_matches"],
+                    dataset=tiny["answers"], eval_dataset=tiny["answers_eval"], total_episodes=24, num_generations=4,
+                    advantage_estimator="grpo", stop_token_id=5, num_sample_generations=3)
+    P.main(args)
+    tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
+    rows = {r["prompt"]: r for path in (tiny["answers"], tiny["answers_eval"]) for r in read_lines(path)}
+    logged = read_lines(tmp_path / "log.0")
+    training = [c for c in logged if c["prompts"][0] in {r["prompt"] for r in read_lines(tiny["answers"])}]
+    assert len(logged) == 3 + 3 and len(training) == 3  # 3 updates, each followed by an evaluation
+    for call in logged:
+        assert call["answer"] == [rows[p]["answer"] for p in call["prompts"]]
+        assert call["fields"] == {"note": [rows[p].get("note") for p in call["prompts"]]}  # None where absent
+        for completion, ids in zip(call["completions"], call["completion_ids"]):
+            assert tokenizer.decode(ids, skip_special_tokens=True) == completion
+            assert 5 not in ids[:-1] and (ids[-1] == 5 or len(ids) == 6)  # up to and including the stop id
+    for update, (call, (batch, *_)) in enumerate(zip(training, calls)):
+        assert call["state"] == {"global_step": update, "max_steps": 3, "epoch": update * 2 / 40}  # 2 prompts each
+        assert all(call["prompts"][i] == call["prompts"][i - i % 4] for i in range(8))  # a group: one row, 4 times
+        responses = batch["query_responses"][:, batch["context_length"]:]
+        assert call["completion_ids"] == [r[:n] for r, n in zip(responses.tolist(), batch["lengths"].tolist())]
+        assert batch["raw_scores"].tolist() == answer_matches(call["prompts"], call["completions"], [], call["answer"],
+                                                              SimpleNamespace())
+    evaluations = [c for c in logged if c not in training]
+    assert [c["state"]["global_step"] for c in evaluations] == [1, 2, 3]
+    assert all(c["prompts"] == [r["prompt"] for r in read_lines(tiny["answers_eval"])] for c in evaluations)
+
+
+def test_chat_rows_reach_a_reward_function_as_messages_and_a_two_parameter_one_as_text(tiny, tmp_path, monkeypatch):
+    """Chat rows: a TRL-style function (the shape of TRL's accuracy_reward) gets each row's messages without a
+    trailing assistant turn and [{"role": "assistant", "content": text}], with the row's `solution`; a function
+    with two parameters that names none of the arguments is called as before, (prompt texts, completion texts)."""
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "log"))
+    args = run_args(tiny, tmp_path, model_name_or_path=tiny["chat"], reward_model_path=None,
+                    reward_fn=[f"{__file__}:accuracy_reward", f"{__file__}:two_params"],
+                    dataset=tiny["chat_solutions"], total_episodes=16)
+    P.main(args)
+    rows = read_lines(tiny["chat_solutions"])
+    messages = [r["messages"][:1] for r in rows]  # the last row's assistant turn dropped
+    tokenizer = AutoTokenizer.from_pretrained(tiny["chat"])
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    accuracy, positional = (read_lines(tmp_path / "log.0")[i::2] for i in range(2))
+    assert len(accuracy) == len(positional) == 2
+    for call, plain in zip(accuracy, positional):
+        assert all(p in messages for p in call["prompts"]) and [messages[7]] != [rows[7]["messages"]]
+        assert call["solution"] == [rows[messages.index(p)]["solution"] for p in call["prompts"]]
+        assert all(c == [{"role": "assistant", "content": c[0]["content"]}] for c in call["completions"])
+        assert plain["prompts"] == [texts[messages.index(p)] for p in call["prompts"]]
+        assert plain["completions"] == [c[0]["content"] for c in call["completions"]]
+
+
+def test_a_none_score_leaves_its_source_out_and_async_functions_run(tiny, tmp_path, monkeypatch):
+    """A None from a reward function leaves that source out of the row's weighted sum (TRL's meaning); its logged
+    mean is over the rows it scored. An async def function is run to completion."""
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, reward_model_path=None, total_episodes=8, reward_weights=[0.5, 2.0],
+                    reward_fn=[f"{__file__}:none_for_first", f"{__file__}:async_count_w1"])
+    P.main(args)
+    batch = calls[0][0]
+    counts = torch.tensor(count_w1(None, batch["completions"]))
+    assert torch.allclose(batch["raw_scores"], torch.cat([2 * counts[:1], 0.5 + 2 * counts[1:]]))
+    assert batch["source_scores"][0, 0].isnan() and read_metrics(args.output_dir)[0]["objective/raw_scores/fn0"] == 1
+
+
+def readme_bash_blocks(section):
+    """The ```bash blocks of one `## ` section of README.md."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)```", body, re.S)
+
+
+@pytest.mark.parametrize("block,model", [(0, "gpt2"), (1, "chat")])
+def test_the_readmes_verifiable_reward_example_runs_and_its_function_sees_each_rows_answer(tiny, tmp_path, block,
+                                                                                              model):
+    """The README's example, as written (its files by its heredocs, its command), with a tiny model in place of the
+    hub one and small sizes appended (the last value of a flag wins); a spy around its reward function records what
+    it was given: each prompt with its own row's answer."""
+    script = readme_bash_blocks("Reward functions and verifiable rewards")[block]
+    setup, command = script.split("python ppo_rlhf.py ", 1)
+    if block == 1:  # the second block reuses the first's reward function
+        setup = readme_bash_blocks("Reward functions and verifiable rewards")[0].split("python ppo_rlhf.py ")[0] + setup
+    subprocess.run(["bash", "-c", setup], cwd=tmp_path, check=True)
+    with open(tmp_path / "math_reward.py", "a") as f:
+        f.write("\n\nimport json\n_accuracy = accuracy\n\n\ndef accuracy(completions, answer, **kwargs):\n"
+                "    with open('seen.jsonl', 'a') as f:\n"
+                "        f.write(json.dumps({'prompts': kwargs['prompts'], 'answer': answer}) + '\\n')\n"
+                "    return _accuracy(completions, answer, **kwargs)\n")
+    flags = command.replace("\\\n", " ").split() + ["--model_name_or_path", tiny[model], "--dtype", "fp32",
+                                                    "--response_length", "6", "--per_device_train_batch_size", "8",
+                                                    "--total_episodes", "16", "--output_dir", str(tmp_path / "run")]
+    result = subprocess.run([sys.executable, SCRIPT, *flags], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_lines(tmp_path / ("math.jsonl" if block == 0 else "math_chat.jsonl"))
+    key = "prompt" if block == 0 else "messages"
+    seen = read_lines(tmp_path / "seen.jsonl")
+    assert len(seen) == 2 and all(len(call["prompts"]) == 8 for call in seen)
+    for call in seen:
+        for prompt, answer in zip(call["prompts"], call["answer"]):
+            assert answer == next(r["answer"] for r in rows if r[key] == prompt)
+    assert {p if block == 0 else json.dumps(p) for call in seen for p in call["prompts"]} <= {
+        r[key] if block == 0 else json.dumps(r[key]) for r in rows}
+    assert len(read_metrics(tmp_path / "run")) == 2
+
+
+def test_a_reward_module_is_imported_from_the_current_folder(tiny, tmp_path, monkeypatch):
+    """--reward_fn module:function finds a module in the current folder, as `python -m` would (sys.path[0] is the
+    script's folder)."""
+    (tmp_path / "my_rewards_here.py").write_text("def length(completions, **kwargs):\n"
+                                                 "    return [float(len(c.split())) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    calls = spy_on_updates(monkeypatch)
+    P.main(run_args(tiny, tmp_path, reward_model_path=None, reward_fn=["my_rewards_here:length"], total_episodes=8))
+    batch = calls[0][0]
+    assert batch["raw_scores"].tolist() == [float(len(c.split())) for c in batch["completions"]]
+
+
+def test_printed_samples_are_of_distinct_prompts(tiny, tmp_path, capsys):
+    """With k responses per prompt the three printed training samples are of three prompts, not one prompt k times."""
+    P.main(run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:num_words"], total_episodes=8,
+                    num_generations=4, advantage_estimator="grpo", num_sample_generations=1, eval_dataset=None))
+    prompts = [line.split(" -> ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("    '")]
+    assert len(prompts) == 2 and len(set(prompts)) == 2  # 8 responses: 2 prompts x 4
+
+
+def test_the_built_in_reward_reads_the_token_ids():
+    """1 for the sum then EOS; the partial credit for the sum then anything else, <pad> and <unk> included (the
+    decoded text drops them, and the text-based reward once scored them 1); 0 otherwise."""
+    ids = lambda *words: [P.ADDITION_WORDS.index(w) for w in words]  # noqa: E731
+    completions = [ids("7", "<eos>"), ids("7", "<pad>"), ids("7", "<unk>"), ids("7", "3"), ids("6", "<eos>"),
+                   ids("<eos>"), ids("=", "7")]
+    partial = P.ADDITION_PARTIAL_CREDIT
+    assert 0 < partial < 1
+    assert P.addition_reward(completions, ["7"] * 7) == [1.0, partial, partial, partial, 0.0, 0.0, 0.0]
+
+
+def test_a_checkpoint_of_the_built_in_task_with_its_earlier_reward_is_refused(tmp_path):
+    args = P.Args(output_dir=str(tmp_path / "run"), total_episodes=256, save_every=1, num_sample_generations=0)
+    P.main(args)
+    path = os.path.join(args.output_dir, "checkpoint-000001")
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+    assert state["addition_reward"] == "token ids"
+    del state["addition_reward"]  # as a version before the reward read token ids wrote it
+    torch.save(state, os.path.join(path, "state.pt"))
+    with pytest.raises(SystemExit, match="built-in task with its earlier reward") as exc:
+        P.main(dataclasses.replace(args, resume=path))
+    assert "\n" not in str(exc.value) and len(read_metrics(args.output_dir)) == 2
+
+
 @pytest.mark.parametrize("dtype,gradient_checkpointing", [("bf16", False), ("fp16", False), ("fp32", True)])
 def test_end_to_end_mixed_precision_and_checkpointing(tiny, tmp_path, monkeypatch, dtype, gradient_checkpointing):
     args = run_args(tiny, tmp_path, dtype=dtype, gradient_checkpointing=gradient_checkpointing, missing_eos_penalty=1.0)
@@ -975,7 +1214,7 @@ def test_a_chat_model_stops_at_its_end_of_turn_and_a_resume_keeps_the_stop_ids(t
     with pytest.MonkeyPatch.context() as monkeypatch:
         calls = spy_on_updates(monkeypatch)
         args = run_args(tiny, tmp_path, model_name_or_path=model, reward_model_path=None,
-                        reward_fn=[f"{__file__}:num_words"], dataset=tiny["chat_prompts"], total_episodes=48,
+                        reward_fn=[f"{__file__}:chat_words"], dataset=tiny["chat_prompts"], total_episodes=48,
                         per_device_train_batch_size=16, missing_eos_penalty=1.0, save_every=1, seed=2)
         P.main(args)
     assert "stop ids [0, 3]" in capsys.readouterr().out.splitlines()[0]
@@ -1394,9 +1633,66 @@ def test_builtin_task_learns(tmp_path, capfd):
     assert first < 0.1 and last > first + 0.15, (first, last)
     assert "80 prompts" in capfd.readouterr().out.splitlines()[0] and "eval/success_rate" in metrics[-1]
     _, trained, evaluated = P.build_addition_task(str(tmp_path / "task"), 1)
-    trained, evaluated = ({line.strip() for line in open(f)} for f in (trained, evaluated))
+    trained, evaluated = ({json.loads(line)["prompt"] for line in open(f)} for f in (trained, evaluated))
     assert {x["prompt"] for x in read_lines(os.path.join(args.output_dir, "samples.jsonl"))} == evaluated
     assert len(evaluated) == 20 and len(trained) == 80 and trained.isdisjoint(evaluated)
+
+
+def readme_python_blocks():
+    """The ```python snippets of the README's opening part: using the trained policy, plotting metrics.jsonl."""
+    return re.findall(r"```python\n(.*?)```", open(os.path.join(HERE, "README.md")).read().split("\n## ", 1)[0], re.S)
+
+
+@pytest.fixture(scope="module")
+def builtin_run(tmp_path_factory):
+    """A short run of the built-in task (2 updates, evaluated twice), as the README's snippets find one."""
+    output_dir = str(tmp_path_factory.mktemp("builtin") / "run")
+    P.main(P.Args(output_dir=output_dir, total_episodes=256, num_sample_generations=1))
+    return output_dir
+
+
+def test_the_readmes_snippet_using_the_trained_policy_runs(builtin_run, tmp_path):
+    """It prints the policy's greedy answer to 3 + 4 (what P.generate answers greedily)."""
+    snippet = readme_python_blocks()[0]
+    assert "runs/ppo_rlhf__1__1764570000/policy" in snippet
+    result = subprocess.run([sys.executable, "-c", snippet.replace("runs/ppo_rlhf__1__1764570000", builtin_run)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(builtin_run, "policy"))
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(builtin_run, "policy"))
+    ids, mask = P.left_pad([tokenizer("3 + 4 =")["input_ids"]], tokenizer.pad_token_id)
+    with torch.no_grad():
+        answer = P.generate(policy, ids, mask, 2, 0.0, [tokenizer.eos_token_id], tokenizer.pad_token_id)[0][0]
+    assert result.stdout == tokenizer.decode(answer, skip_special_tokens=True) + "\n"
+
+
+def test_the_readmes_snippet_plotting_the_metrics_runs(builtin_run, tmp_path):
+    pytest.importorskip("matplotlib")  # an optional package
+    snippet = readme_python_blocks()[1].replace("runs/ppo_rlhf__1__1764570000", builtin_run)
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "metrics.png").stat().st_size > 10_000
+
+
+def test_a_killed_built_in_run_leaves_no_temp_folder_behind(tmp_path):
+    """The built-in task's model lives in a temp folder removed at exit; a SIGKILLed run cannot remove its own, so the
+    next built-in run removes those of processes that are gone."""
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "OMP_NUM_THREADS": "1"}
+    os.makedirs(tmp_path / "tmp")
+    killed = subprocess.Popen([sys.executable, SCRIPT, "--output_dir", str(tmp_path / "a"), "--total_episodes",
+                               "12800"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not os.path.exists(tmp_path / "a" / "metrics.jsonl") and time.time() < deadline:
+        time.sleep(0.05)
+    left = os.listdir(tmp_path / "tmp")
+    assert left and left[0].startswith(f"ppo_rlhf_builtin_{killed.pid}_")
+    killed.kill()
+    killed.wait()
+    assert os.listdir(tmp_path / "tmp") == left  # SIGKILL: no atexit
+    subprocess.run([sys.executable, SCRIPT, "--output_dir", str(tmp_path / "b"), "--total_episodes", "128"], env=env,
+                   check=True, capture_output=True)
+    assert os.listdir(tmp_path / "tmp") == []
 
 
 def test_the_built_in_task_without_evaluation_trains_on_all_100_sums(tmp_path, capfd):
@@ -1454,6 +1750,9 @@ def file_case(case, tiny, tmp_path):
         os.makedirs(tmp_path / "run")
         (tmp_path / "run" / "metrics.jsonl").write_text('{"update": 1}\n')
         return {}, "--output_dir"
+    if case == "a field named like a reward function's argument":
+        jsonl.write_text('{"prompt": "w1 w2", "prompts": "w3"}\n')
+        return dict(dataset=str(jsonl), reward_model_path=None, reward_fn=[f"{__file__}:answer_matches"]), "--dataset"
     if case == "a corrupt adapter config":
         os.makedirs(tmp_path / "adapter")
         (tmp_path / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": ')
@@ -1504,6 +1803,17 @@ def file_case(case, tiny, tmp_path):
         "no stop id, a missing-EOS penalty": (dict(stop_token=None, missing_eos_penalty=1.0), "--missing_eos_penalty"),
         "a stop id outside the vocabulary": (dict(stop_token_id=[5, 999]), "--stop_token_id"),
         "an empty list of stop ids": (dict(stop_token_id=[]), "--stop_token_id"),
+        "a reward function of one parameter": (dict(reward_model_path=None, reward_fn=[f"{__file__}:one_param"]),
+                                               "--reward_fn"),
+        "a reward function needing a field the rows lack": (
+            dict(reward_model_path=None, reward_fn=[f"{__file__}:needs_answer"]), "--dataset"),
+        "a reward function needing a field the held-out rows lack": (
+            dict(reward_model_path=None, reward_fn=[f"{__file__}:needs_answer"], dataset=tiny["answers"],
+                 eval_dataset=tiny["txt"]), "--eval_dataset"),
+        "a reward function asking for TRL's log_metric": (
+            dict(reward_model_path=None, reward_fn=[f"{__file__}:wants_log_metric"]), "--reward_fn"),
+        "the built-in task without a stop id": (dict(model_name_or_path="builtin", dataset="builtin",
+                                                     reward_model_path=None, stop_token=None), "--stop_token"),
     }[case]
 
 
@@ -1522,7 +1832,11 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "a path where a list goes", "no stop id, truncated completions masked",
               "no stop id, a missing-EOS penalty", "a stop id outside the vocabulary", "an empty list of stop ids",
               "a corrupt adapter config", "a reward model with a shorter context",
-              "a reward model with its own tokenizer and a shorter context"]
+              "a reward model with its own tokenizer and a shorter context", "a reward function of one parameter",
+              "a reward function needing a field the rows lack",
+              "a reward function needing a field the held-out rows lack",
+              "a reward function asking for TRL's log_metric", "a field named like a reward function's argument",
+              "the built-in task without a stop id"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
@@ -1534,7 +1848,11 @@ MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, whi
             "a stop id outside the vocabulary": "[999]: not in the policy's vocabulary [0, 40)",
             "a corrupt adapter config": "adapter_config.json cannot be read",
             "a reward model with a shorter context": "exceed its context of 8",
-            "a reward model with its own tokenizer and a shorter context": "exceed its context of 8"}
+            "a reward model with its own tokenizer and a shorter context": "exceed its context of 8",
+            "a reward function of one parameter": "takes (x): give it (prompts, completions), or keywords",
+            "a reward function needing a field the rows lack": "needs 'answer', which the rows of --dataset do not",
+            "a reward function asking for TRL's log_metric": "asks for ['log_metric']",
+            "a field named like a reward function's argument": "field named 'prompts'"}
 
 
 def test_the_bad_input_table_covers_every_ranged_flag():
@@ -1574,7 +1892,15 @@ RUNTIME_CASES = {  # found only once the models run: still one line, and no metr
     "a reward function returning NaN": (
         dict(reward_model_path=None, reward_fn=[f"{__file__}:nan_score"]), "--reward_fn"),
     "LoRA on layers the model lacks": (dict(lora_r=4, lora_target_modules=["no_such_layer"]), "--lora_target_modules"),
+    "a reward function that raises": (dict(reward_model_path=None, reward_fn=[f"{__file__}:raises"]),
+                                      "--reward_fn"),
+    "a reward function scoring no completion": (dict(reward_model_path=None, reward_fn=[f"{__file__}:none_for_all"]),
+                                                "--reward_fn"),
 }
+RUNTIME_MUST_SAY = {"a reward function that raises": "raised ValueError: the grader is down (test_ppo_rlhf.py:",
+                    "a reward function scoring no completion": "no source scored completion 0",
+                    "a reward function returning NaN": "non-finite score (nan) for completion 0",
+                    "a reward function returning the wrong count": "returned 7 scores for 8 completions"}
 
 
 @pytest.mark.parametrize("case", list(RUNTIME_CASES))
@@ -1585,6 +1911,7 @@ def test_bad_input_found_while_running_gets_a_one_line_error_and_writes_nothing(
         P.main(args)
     message = str(exc.value)
     assert message.startswith("error: ") and flag in message and "\n" not in message, message
+    assert RUNTIME_MUST_SAY.get(case, "") in message, message
     assert not os.path.exists(os.path.join(args.output_dir, "metrics.jsonl"))
     assert not os.path.exists(os.path.join(args.output_dir, "policy"))
 
@@ -1708,9 +2035,10 @@ def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
 def test_non_finite_losses_skip_updates_then_abort(tiny, tmp_path, capsys, dtype):
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:huge_score"], total_episodes=64,
                     dtype=dtype)
-    with pytest.raises(SystemExit, match="non-finite") as exc:
+    with pytest.raises(SystemExit, match="non-finite") as exc, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         P.main(args)
-    assert "\n" not in str(exc.value)
+    assert "\n" not in str(exc.value) and not [w for w in caught if "lr_scheduler" in str(w.message)]
     assert capsys.readouterr().err.count("warning: update") == 3
     assert len(read_metrics(args.output_dir)) == 2  # the two skipped updates before the abort were still logged
 
@@ -1726,13 +2054,14 @@ def DETERMINISTIC_KEYS(m):
     return {k: v for k, v in m.items() if not k.startswith(("time/", "memory/")) and k != "eps"}
 
 
-def cli_run(tiny, output_dir, *extra):
+def cli_run(tiny, output_dir, *extra, cwd=None):
+    """The script on the tiny GPT-2 for 12 updates, a checkpoint after each; output_dir None: the default folder."""
     cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1",
-           "--dataset", tiny["prompts"], "--output_dir", output_dir, "--total_episodes", "96",
-           "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
+           "--dataset", tiny["prompts"], *(["--output_dir", output_dir] if output_dir else []), "--total_episodes",
+           "96", "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
            "--response_length", "6", "--learning_rate", "1e-3", "--num_sample_generations", "0", "--save_every", "1",
            "--eval_dataset", tiny["txt"], *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
 
 
@@ -1798,6 +2127,42 @@ def test_a_killed_run_resumes_bit_identically(tiny, tmp_path, sig, flags, straig
     assert list(wa) == (["policy"] if flags == VALUE_FREE else ["policy", "value_model"])
     for name in wa:
         assert wa[name].keys() == wb[name].keys() and all(torch.equal(wa[name][k], wb[name][k]) for k in wa[name])
+
+
+def test_a_run_stopped_in_its_default_folder_resumes_with_resume_auto_alone(tiny, tmp_path, straight):
+    """Without --output_dir a run writes runs/<exp_name>__<seed>__<time>/; stopped by Ctrl-C (SIGINT), it says the
+    flags to add, and the same command plus --resume auto (no --output_dir) finds that folder and goes on exactly."""
+    process = cli_run(tiny, None, cwd=tmp_path)
+    deadline = time.time() + 300
+    while not glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*" / "checkpoint-000002")) and time.time() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    folder = os.path.relpath(glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*"))[0], tmp_path)
+    assert process.returncode == 0 and f"--output_dir {folder} --resume auto" in out.splitlines()[-1], err
+    assert err.strip().splitlines()[-1] == "SIGINT: finishing this update, then saving a checkpoint"
+    resumed = cli_run(tiny, None, "--resume", "auto", cwd=tmp_path)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and f"output {folder}" in out.splitlines()[0] and "resumed from" in out, err
+    assert os.listdir(tmp_path / "runs") == [os.path.basename(folder)]  # no new folder
+    a, b = read_metrics(straight()), read_metrics(tmp_path / folder)
+    assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b]
+
+
+def test_resume_auto_with_nothing_to_resume_says_so_and_starts(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    P.main(run_args(tiny, tmp_path, output_dir=None, resume="auto", total_episodes=8))
+    out = capsys.readouterr().out
+    assert re.search(r"--resume auto: no checkpoint in runs/ppo_rlhf__1__\d+, nothing to resume", out)
+    assert len(read_metrics(glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*"))[0])) == 1
+
+
+def test_only_rank_0_prints_the_stop_notice(monkeypatch, capsys):
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setattr(P, "STOP_SIGNALS", [])
+        monkeypatch.setenv("RANK", rank)
+        P.request_stop(signal.SIGINT, None)
+        assert ("SIGINT: finishing this update" in capsys.readouterr().err) == printed and P.STOP_SIGNALS
 
 
 def test_a_signal_delivered_twice_is_one_stop_request_but_a_later_one_exits(monkeypatch):
@@ -1954,30 +2319,36 @@ def test_torchrun_builtin_task(tmp_path):
     eval_file = P.build_addition_task(str(tmp_path / "task"), 1)[2]
     models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(os.path.join(out, "policy")), ref_policy=None,
                              value_model=None, reward_models=[], builtin_reward=True,
-                             reward_fns=[(P.addition_reward, "addition_reward")], reward_weights=torch.ones(1),
+                             reward_fns=[(P.addition_reward, "addition_reward", None)], reward_weights=torch.ones(1),
                              tokenizer=tokenizer, stop_token_ids=[tokenizer.eos_token_id], policy_head=None,
                              ref_head=None)
     args = P.Args(response_length=2)
-    alone, samples = P.evaluate(models, P.load_prompts(eval_file, args, tokenizer, None), 2, args, P.Runtime())
+    state = SimpleNamespace(global_step=3, max_steps=3, epoch=9.6)
+    alone, samples = P.evaluate(models, P.load_prompts(eval_file, args, tokenizer, None), 2, args, P.Runtime(), state)
     assert len(samples) == 20 and len(read_lines(os.path.join(out, "samples.jsonl"))) == 10  # rank 0's half
     for key in ("eval/score", "eval/success_rate", "eval/response_length"):
         assert metrics[-1][key] == pytest.approx(alone[key], abs=1e-6), key
     args, prompts = P.Args(response_length=2, eval_temperature=1.0), P.load_prompts(eval_file, args, tokenizer, None)
     state = torch.get_rng_state()  # sampling at T = 1 uses a random stream of its own, seeded from (seed, update)
-    first, second = (P.evaluate(models, prompts, 2, args, P.Runtime())[1] for _ in range(2))
+    first, second = (P.evaluate(models, prompts, 2, args, P.Runtime(), state)[1] for _ in range(2))
     assert torch.equal(torch.get_rng_state(), state) and first == second
-    assert first != P.evaluate(models, prompts, 3, args, P.Runtime())[1]
+    assert first != P.evaluate(models, prompts, 3, args, P.Runtime(), state)[1]
 
 
 @needs_gloo
 def test_bad_input_under_torchrun_is_one_line_from_the_whole_run(tiny, tmp_path):
     for flags, expected in ((["--learning_rate", "-1"], "error: --learning_rate -1.0 is out of range"),  # flags
                             (["--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1", "--dataset",
-                              str(tmp_path / "none.txt")], "error: --dataset")):  # files: checked by every rank
+                              str(tmp_path / "none.txt")], "error: --dataset"),  # files: checked by every rank
+                            (["--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:fails_on_rank_1",
+                              "--dataset", tiny["prompts"], "--response_length", "4"],  # one rank's reward: a vote
+                             f"error: --reward_fn {__file__}:fails_on_rank_1 raised RuntimeError: rank 1's grader")):
+        start = time.time()
         result = torchrun("--output_dir", str(tmp_path / "run"), *flags, timeout=120)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert result.returncode != 0 and len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
-        assert "terminate called" not in result.stderr and not os.path.exists(tmp_path / "run")
+        assert "terminate called" not in result.stderr and time.time() - start < 50  # no rank waited 60 s
+        assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
 def init_gloo(rank, port):
@@ -2236,9 +2607,10 @@ def main_worker(rank, port, tiny, output_dir, flags, out_file):
     init_gloo(rank, port)
     with pytest.MonkeyPatch.context() as monkeypatch:
         calls = spy_on_updates(monkeypatch)
-        P.main(P.Args(model_name_or_path=tiny["gpt2"], reward_fn=[f"{__file__}:num_words"], dataset=tiny["prompts"],
-                      output_dir=output_dir, total_episodes=16, per_device_train_batch_size=4, num_mini_batches=1,
-                      num_ppo_epochs=1, response_length=6, stop_token_id=5, num_sample_generations=0, **flags))
+        P.main(P.Args(**{**dict(model_name_or_path=tiny["gpt2"], reward_fn=[f"{__file__}:num_words"],
+                                dataset=tiny["prompts"], output_dir=output_dir, total_episodes=16,
+                                per_device_train_batch_size=4, num_mini_batches=1, num_ppo_epochs=1, response_length=6,
+                                stop_token_id=5, num_sample_generations=0), **flags}))
     torch.save([batch for batch, *_ in calls], f"{out_file}.{rank}")
     del calls  # it holds the DDP model
     P.leave_process_group()  # once the models that hold the group are freed
@@ -2276,23 +2648,35 @@ def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_bat
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "policy")
     models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy"), ref_policy=None,
                              value_model=None, reward_models=[], builtin_reward=False, reward_weights=torch.ones(1),
-                             reward_fns=[(num_words, "num_words")], tokenizer=tokenizer, stop_token_ids=[5],
+                             reward_fns=[(num_words, "num_words", P.POSITIONAL)], tokenizer=tokenizer,
+                             stop_token_ids=[5],
                              policy_head=None, ref_head=None)
     args = P.Args(response_length=6)
-    alone, samples = P.evaluate(models, P.load_prompts(tiny["txt"], args, tokenizer, None), 1, args, P.Runtime())
+    state = SimpleNamespace(global_step=2, max_steps=2, epoch=0.4)
+    alone, samples = P.evaluate(models, P.load_prompts(tiny["txt"], args, tokenizer, None), 1, args, P.Runtime(),
+                                state)
     assert len(samples) == 3 and len(read_lines(tmp_path / "run" / "samples.jsonl")) == 2  # rank 0's 2 of 3
     for key in ("eval/score", "eval/response_length"):
         assert metrics[-1][key] == pytest.approx(alone[key], abs=1e-6), key
 
 
 @needs_gloo
-def test_two_ranks_of_main_keep_each_group_on_one_rank(tiny, tmp_path):
+def test_two_ranks_of_main_keep_each_group_on_one_rank(tiny, tmp_path, monkeypatch):
     """--num_generations 2 over 2 ranks: each rank samples its own prompts twice, in consecutive rows; the GRPO
     advantages (KL in the loss, γ = 1: A_t = the baselined score on every token) are those of the concatenated batch,
-    with no whitening over ranks."""
-    spawn_2(main_worker, tiny, str(tmp_path / "run"), dict(num_generations=2, advantage_estimator="grpo",
-                                                           kl_in="loss"), str(tmp_path / "out"))
+    with no whitening over ranks. A TRL-style reward function on each rank gets its own rows' answers."""
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "log"))
+    spawn_2(main_worker, tiny, str(tmp_path / "run"), dict(
+        num_generations=2, advantage_estimator="grpo", kl_in="loss", dataset=tiny["answers"],
+        reward_fn=[f"{__file__}:num_words", f"{__file__}:answer_matches"]), str(tmp_path / "out"))
     ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
+    answers = {r["prompt"]: r for r in read_lines(tiny["answers"])}
+    for rank in range(2):
+        for batch, call in zip(ranks[rank], read_lines(tmp_path / f"log.{rank}"), strict=True):
+            queries = batch["query_responses"][:, : batch["context_length"]]
+            assert call["prompts"] == tokenizer.batch_decode(queries, skip_special_tokens=True)  # this rank's rows
+            assert call["answer"] == [answers[p]["answer"] for p in call["prompts"]]
     for a, b in zip(*ranks):
         queries = [r["query_responses"][:, : r["context_length"]] for r in (a, b)]
         for q in queries:
@@ -2393,7 +2777,7 @@ def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, mo
     state = torch.load(os.path.join(args.output_dir, "checkpoint-000002", "state.pt"), weights_only=True)["model"]
     assert state and all(".lora_" in k or ".modules_to_save." in k for k in state)
     assert sorted(os.listdir(args.output_dir)) == ["checkpoint-000002", "metrics.jsonl", "policy", "policy_merged",
-                                                   "value_model"]  # the base is the tiny model's folder: no copy
+                                                   "samples.jsonl", "value_model"]  # the base: the tiny model's folder
     policy_dir = os.path.join(args.output_dir, "policy")
     assert P.adapter_base(policy_dir) == tiny[arch]
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny[arch], dtype=torch.float32),
