@@ -1,6 +1,6 @@
 """PPO for RLHF in one file: fine-tune a language model against a reward model (or a reward function).
 
-    python ppo_rlhf.py                       # built-in toy task, offline, CPU, ~3 min: a tiny Llama learns to add
+    python ppo_rlhf.py                       # built-in toy task, offline, CPU, ~2 min: a tiny Llama learns to add
     python ppo_rlhf.py --model_name_or_path <sft> --reward_model_path <rm> --dataset prompts.jsonl ...
     torchrun --nproc_per_node 8 ppo_rlhf.py --distributed fsdp ...        # one node; --nnodes M ... for several
 
@@ -14,23 +14,16 @@ PPO is on-policy: sample a batch with the current policy and keep each token's l
 passes of small steps over that fresh batch, then throw it away. ρ_t corrects for π_θ drifting from π_old
 inside those epochs, but only for the choice of token, not for the states a drifted policy would visit; the
 clip, the KL penalty to π_ref and target_kl early stopping keep π_θ close enough for that to hold.
-Its relatives are switches, each a few lines next to the formula it changes: k responses per prompt and value-free
-advantages from the group's scores (--num_generations, --advantage_estimator rloo|grpo|dr_grpo|reinforce_pp...),
-the KL as a loss term (--kl_in loss, --kl_estimator k2), an adaptive β, clip-higher and dual clip, the loss's
-aggregation (--loss_agg) and an entropy bonus. Against a policy that games its reward: a held-out evaluation, score
-shaping, several reward sources with their disagreement logged, and training-health hints.
+Its relatives (RLOO, GRPO, Dr. GRPO, REINFORCE++, KL as a loss, clip variants) are switches, each a few lines next
+to the formula it changes. Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF),
+Huang et al. 2024 ("The N+ implementation details of RLHF with PPO"); names follow TRL's. Differs from TRL on
+purpose: the score lands on the last real response token (TRL: one past it), every forward gets position_ids,
+sampling is a plain loop over softmax(z / T), and the loss is the token mean over the whole minibatch on all
+devices (TRL: a mean of micro-batch means).
 
-Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF), and Huang et al.
-2024 ("The N+ implementation details of RLHF with PPO"); flag and metric names follow TRL's PPOTrainer.
-Differs from TRL on purpose: the score lands on the last real response token (TRL: one past it), every
-forward gets position_ids, sampling is a plain loop over softmax(z / T) (no generation_config surprises), and the
-loss is the token mean over the whole minibatch on all devices (TRL: a mean of micro-batch means).
-
-Sections. The algorithm, top to bottom (a first reading can stop after main):
-    options (Args, check_args) · math (pure) · π and V on padded batches · rollout and scoring · the PPO update · main
-Then what it loads: models, data and rewards (the built-in task). Then the systems, each skippable on a first
-reading: distributed (torchrun, DDP, FSDP2, statistics over ranks) · memory-efficient log-probs · checkpoints,
-resume and signals · logging and metrics.
+The first reading path, complete PPO-RLHF: options (Args, derive_sizes) · math (pure) · π and V on padded batches ·
+rollout and scoring · the PPO update · main. Behind it: flag and input checks · the held-out evaluation · models,
+data and rewards · systems: distributed · memory-efficient log-probs · LoRA · checkpoints · logging.
 """
 import asyncio
 import atexit
@@ -63,61 +56,59 @@ from typing import Literal, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 import tyro
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers import DynamicCache, GenerationConfig
 
 
-# -------------------------------------------------------------------------------------------------------------- options
+# ------------------------------------------------------------------------------------------ options
 @dataclass
 class Args:
     # --- experiment
     exp_name: str = "ppo_rlhf"
-    """name of this run (used in the default output_dir and in wandb)"""
+    """name of this run (in the default output_dir and in wandb)"""
     seed: int = 1
     """seed of python and torch: prompt order, sampling, new weights"""
     output_dir: Optional[str] = None
-    """where metrics.jsonl, the policy and the value model go; default runs/<exp_name>__<seed>__<unix time>"""
+    """where metrics, checkpoints and models go; default runs/<exp_name>__<seed>__<unix time>"""
     track: bool = False
     """log metrics to Weights & Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ppo_rlhf"
     """wandb project, with --track"""
     num_sample_generations: int = 10
-    """this many times during training, print a few completions with their scores and evaluate (0: only after the
-    last update)"""
+    """print samples and evaluate this many times during training, and after the last update"""
     eval_dataset: Optional[str] = "builtin"
-    """held-out prompts (formats as --dataset), evaluated num_sample_generations times and after the last update:
-    `builtin`: with the built-in task its 20 held-out sums (it trains on the other 80), else none; None: none"""
+    """held-out prompts (as --dataset); `builtin`: the built-in task's 20 held-out sums; None:
+    none"""
     eval_temperature: float = 0.0
     """sampling temperature of the evaluation (0: greedy)"""
     health_window: int = 50
-    """training-health hints (stderr, one line naming the flag to change) judge the last this many updates, and each
-    is printed at most once per this many (0: none); a shorter window also sees a slow start as trouble"""
+    """health hints judge the last this many updates, each printed at most once per window (0:
+    none)"""
     save_every: int = 0
-    """write a resumable checkpoint into output_dir every this many updates (0: only when stopped by a signal)"""
+    """write a resumable checkpoint every this many updates (0: only when stopped by a signal)"""
     save_total_limit: int = 2
     """keep this many newest checkpoints (0: keep all)"""
     resume: Optional[str] = None
-    """`auto`: continue from the newest complete checkpoint in output_dir (if any), or from this checkpoint folder"""
+    """`auto`: continue from the newest checkpoint of output_dir (if any); or a checkpoint folder"""
 
     # --- models and data
     model_name_or_path: str = "builtin"
-    """policy (SFT) checkpoint: hub name or local folder; `builtin` builds the toy task's tiny Llama"""
+    """policy (SFT) checkpoint, hub name or folder; `builtin`: the toy task's tiny Llama"""
     ref_model_path: Optional[str] = None
-    """reference policy π_ref for the KL penalty; default: a frozen copy of the initial policy"""
+    """reference policy π_ref of the KL penalty; default: a frozen copy of the initial policy"""
     value_model_path: Optional[str] = None
-    """value model init; default: the reward model if it shares the policy's vocabulary, else the policy (new head)"""
+    """value model init; default: the reward model if it shares the vocabulary, else the policy"""
     reward_model_path: Optional[list[str]] = None
     """reward models (sequence classifiers, 1 label), each may have its own tokenizer"""
     reward_fn: Optional[list[str]] = None
-    """reward functions, `module:function` or `file.py:function`: (prompts, completions) -> floats; with no reward
-    model nor function: the built-in task's"""
+    """reward functions `module:function` or `file.py:function`, called as TRL calls them"""
     reward_weights: Optional[list[float]] = None
-    """the score is Σ_i w_i·s_i over the sources s_i, the reward models then the reward functions in order; unset:
-    their mean. With several reward models their disagreement is logged (objective/rm_spread)"""
+    """w_i of score = Σ_i w_i·s_i over reward models then functions; unset: their mean"""
     dataset: str = "builtin"
-    """prompts: a .txt (one per line), a .jsonl (`prompt`, or chat `messages`), or a hub dataset (needs `datasets`)"""
+    """prompts: .txt, .jsonl (`prompt` or chat `messages`, other fields), or a hub dataset"""
     dataset_train_split: str = "train"
     """split of a hub dataset"""
     trust_remote_code: bool = False
@@ -125,38 +116,36 @@ class Args:
 
     # --- rollout
     total_episodes: int = 51200
-    """responses (episodes) over the whole run; updates = total_episodes // rollout batch"""
+    """responses sampled over the run; updates = total_episodes // rollout batch"""
     response_length: int = 2
     """most tokens sampled per response"""
     temperature: float = 1.0
-    """sampling temperature T: the policy is softmax(logits / T), in rollout and in training"""
+    """T: the policy is softmax(logits / T), in rollout and in training"""
     stop_token: Optional[Literal["eos"]] = "eos"
-    """end responses at the tokenizer's EOS or an id of the policy's generation_config.eos_token_id (a chat model's
-    end of turn); None: always sample response_length tokens"""
+    """eos: end at the tokenizer's EOS or an eos_token_id of the generation config; None: never"""
     stop_token_id: Optional[list[int]] = None
-    """end responses at any of these token ids instead (the pad token may be one of them)"""
+    """end responses at any of these token ids instead"""
     missing_eos_penalty: Optional[float] = None
-    """subtracted from the score of responses that contain no stop id"""
+    """subtracted from the score of responses without a stop id"""
     score_scaling: Literal["none", "running_std"] = "none"
-    """running_std: divide each score by the running standard deviation of all scores so far (over all devices; the
-    mean is not subtracted) (Zheng et al. 2023, "Secrets of RLHF", PPO-max)"""
+    """running_std: score / running std of all scores so far (shaped_scores)"""
     score_clip: Optional[float] = None
     """clip the (scaled) score to [−c, c]"""
     length_penalty: float = 0.0
     """λ: score −= λ·(response tokens)"""
     overlong_buffer: int = 0
-    """L: DAPO's soft overlong penalty over the last L tokens of --response_length: score −= p·(len − (max − L))/L
-    for len > max − L (Yu et al. 2025); 0: off"""
+    """L of DAPO's overlong penalty over the last L tokens of response_length (shaped_scores); 0:
+    off"""
     overlong_penalty: float = 1.0
-    """p, the overlong penalty at --response_length"""
+    """p, the overlong penalty at response_length"""
     mask_truncated_completions: bool = False
-    """leave responses cut off at --response_length before the stop token out of the loss (TRL GRPO's name)"""
+    """leave responses cut off before a stop id out of the loss"""
     local_rollout_forward_batch_size: int = 64
-    """rows per generation and scoring forward during the rollout"""
+    """rows per generation and scoring forward"""
 
     # --- PPO
     per_device_train_batch_size: int = 128
-    """with gradient_accumulation_steps, the rollout batch: responses per update = this x gradient_accumulation_steps"""
+    """responses per micro-batch; rollout batch = this x gradient_accumulation_steps"""
     gradient_accumulation_steps: int = 1
     """micro-batches per minibatch (one optimizer step per minibatch)"""
     num_mini_batches: int = 2
@@ -164,38 +153,29 @@ class Args:
     num_ppo_epochs: int = 4
     """passes over each rollout batch"""
     num_generations: int = 1
-    """k: responses sampled per prompt, a group of k rows on one rank; batch sizes and total_episodes count responses"""
+    """k: responses per prompt, in consecutive rows of one device (batch sizes count responses)"""
     advantage_estimator: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
-    """gae: PPO's value model. Value-free (no value model), a baseline on the score s_i of each response, then
-    A_t = Σ_{t'≥t} γ^(t'−t)·r_t': rloo s_i − mean of the other k−1 (Ahmadian et al. 2024); grpo (s_i − mean_g) /
-    (std_g + 1e-4) (Shao et al. 2024); dr_grpo s_i − mean_g (Liu et al. 2025); reinforce_pp s_i, A whitened over the
-    batch (Hu 2025, REINFORCE++); reinforce_pp_baseline s_i − mean_g, A whitened"""
+    """gae: PPO's value model; the others are value-free (baselined_scores)"""
     kl_coef: float = 0.05
     """β, the KL coefficient (0: no reference model is loaded)"""
     kl_in: Literal["reward", "loss"] = "reward"
-    """reward: r_t −= β·KL_t (Ziegler et al. 2019); loss: loss += β·k(log π_θ − log π_ref), aggregated as --loss_agg,
-    with a gradient through π_θ (GRPO)"""
+    """reward: r_t −= β·KL_t; loss: loss += β·agg(KL_t), a gradient through π_θ (ppo_loss)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """with log ρ = log π_ref − log π: k1 −log ρ (unbiased, can be < 0); k2 ½(log ρ)²; k3 ρ − 1 − log ρ (unbiased,
-    >= 0) (Schulman 2020). As a loss on samples of π_θ, the expected gradient is 0 for k1, ∇KL(π_θ‖π_ref) for k2 and
-    ∇KL(π_ref‖π_θ) for k3"""
+    """KL_t per token from samples (kl_estimate)"""
     adaptive_kl_target: Optional[float] = None
-    """adapt β after every update towards this KL per response: β ← β·(1 + clip(KL/target − 1, ±0.2)·batch/horizon)
-    (Ziegler et al. 2019); unset: β fixed"""
+    """adapt β towards this KL per response after each update (adaptive_kl_coef); unset: fixed"""
     adaptive_kl_horizon: int = 10000
     """the horizon (in responses) of the adaptive KL controller"""
     cliprange: float = 0.2
     """ε of the clipped surrogate: ρ is clipped to [1 − ε, 1 + ε_high]"""
     cliprange_high: Optional[float] = None
-    """ε_high (clip-higher, Yu et al. 2025, DAPO); unset: ε"""
+    """ε_high (clip-higher, DAPO); unset: ε"""
     dual_clip: Optional[float] = None
-    """c > 1: where A < 0 the token's loss is at most c·|A| (dual clip, Ye et al. 2020); unset: off"""
+    """c > 1: where A < 0 a token's loss is at most c·|A| (dual clip); unset: off"""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """how the policy, KL and entropy terms average over a minibatch: the mean over its tokens; the mean over its
-    responses of their token means (GRPO); Σ tokens / (responses x response_length) (Dr. GRPO). The value loss stays
-    a token mean"""
+    """how the policy, KL and entropy terms average over a minibatch (aggregate)"""
     entropy_coef: float = 0.0
-    """c_H: loss −= c_H·(entropy of π_θ, aggregated as --loss_agg)"""
+    """c_H: loss −= c_H·agg(entropy of π_θ)"""
     cliprange_value: float = 0.2
     """ε_v of the clipped value loss"""
     vf_coef: float = 0.1
@@ -207,11 +187,11 @@ class Args:
     whiten_rewards: bool = False
     """scale per-token rewards to unit variance over the batch (mean kept)"""
     target_kl: Optional[float] = None
-    """stop this update's epochs once the approx KL(π_old‖π_θ) of a minibatch exceeds this"""
+    """stop the update's epochs once a minibatch's approx KL(π_old‖π_θ) exceeds this"""
 
     # --- optimisation
     learning_rate: float = 1e-3
-    """AdamW learning rate (the default suits the toy task; real models want ~1e-6 to 3e-6)"""
+    """AdamW learning rate (suits the toy task; real models want ~1e-6 to 3e-6)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over the run"""
     max_grad_norm: float = 1.0
@@ -219,127 +199,41 @@ class Args:
 
     # --- LoRA (needs `pip install peft`)
     lora_r: int = 0
-    """LoRA rank r (0: off, every weight trains): the policy and the value model train adapters, W + (α/r)·B·A with
-    B = 0 at the start (Hu et al. 2021), the value model also its whole score head; the reference policy is the policy
-    with its adapter off, so no copy of it is loaded. Dropout stays 0, as everywhere here (see load_pretrained)"""
+    """LoRA rank r (0: off): adapters W + (α/r)·B·A train; the reference is the adapter switched
+    off"""
     lora_alpha: float = 16.0
     """α: the adapter's update is scaled by α/r"""
     lora_target_modules: Optional[list[str]] = None
-    """names of the layers that get adapters; default: every linear layer of the attention and MLP blocks (peft's
-    `all-linear`: the output layer is left out)"""
+    """layers that get adapters; default every linear layer of attention and MLP (not the output)"""
     merge_lora: bool = False
-    """with --lora_r: also write policy_merged/, the base weights with the adapter merged in (plain from_pretrained)"""
+    """with --lora_r: also write policy_merged/, the base with the adapter merged in"""
 
     # --- system
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """bf16/fp16: autocast forwards and backwards. Trained weights and AdamW are fp32 whatever the checkpoint's
-    storage (16 bytes per parameter with gradients); frozen weights in this dtype (2 bytes, fp32: 4)"""
+    """autocast dtype; trained weights and AdamW stay fp32 (16 B/param), frozen ones take this
+    dtype"""
     save_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
-    """dtype of the saved policy and value model (auto: the source checkpoint's); adapters and checkpoints stay fp32"""
+    """dtype of the saved policy and value model (auto: the source checkpoint's)"""
     gradient_checkpointing: bool = False
-    """recompute the policy's and value model's activations in the backward pass: less memory, ~1/3 more compute"""
+    """recompute activations in the backward pass: less memory, ~1/3 more compute"""
 
     # --- distributed (under torchrun; batch sizes above are per device)
     distributed: Literal["ddp", "fsdp"] = "ddp"
-    """ddp: whole policy and value model on every device; fsdp: FSDP2 shards weights, gradients, optimizer state"""
+    """ddp: whole models on every device; fsdp: FSDP2 shards weights, gradients, optimizer state"""
     shard_frozen_models: bool = False
-    """with fsdp: shard the reference and reward models too (less memory; their layers are gathered per forward)"""
+    """with fsdp: shard the reference and reward models too"""
     rollout_unshard: bool = True
-    """with fsdp: gather the policy once for the rollout, not per layer per token (off: if it cannot fit one device)"""
+    """with fsdp: gather the policy once for the rollout (off: if it cannot fit one device)"""
     dist_timeout_s: int = 1800
-    """seconds a collective waits for the other ranks before the run fails (a hang then ends instead of stalling)"""
+    """seconds a collective waits for the other ranks before the run fails"""
 
 
-# Every field is one of two kinds. Run-only fields change how a run is launched, stored or watched, not what it learns:
-# a resumed run may change them. They change no training number beyond rounding (--distributed and
-# --shard_frozen_models change the order of sums), and --eval_temperature changes the eval/ numbers only. All the
-# others are algorithmic: a checkpoint keeps them, and resuming with another value is refused (a field the checkpoint
-# predates counts as having had its default).
-RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
-                   "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
-                   "dist_timeout_s", "merge_lora", "eval_temperature", "health_window", "save_dtype"}
-
-
-# What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
-FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradient_accumulation_steps",
-                                          "num_mini_batches", "num_ppo_epochs", "response_length",
-                                          "local_rollout_forward_batch_size", "total_episodes", "num_generations",
-                                          "adaptive_kl_horizon"]),
-               "> 0": (lambda v: v > 0, ["temperature", "cliprange", "cliprange_value", "max_grad_norm",
-                                        "dist_timeout_s", "lora_alpha"]),
-               ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
-                                          "num_sample_generations", "lora_r", "eval_temperature",
-                                          "overlong_buffer", "health_window"]),
-               "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
-               "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
-                                                                 "score_clip"]),
-               "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
-               "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
-                                                           ["stop_token_id"]),
-               "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef",
-                                                               "length_penalty", "overlong_penalty"])}
-
-
-def fail(message):
-    """Bad input ends the run with one line naming the flag to fix (no traceback); nothing written is touched."""
-    raise SystemExit(f"error: {message}")
-
-
-def check_args(args):
-    """Every check that needs only the flags (and torchrun's WORLD_SIZE), before anything is loaded or started.
-    -> the derived sizes. Per rank (`local_`): the rollout batch of local_batch_size prompts is split into
-    num_mini_batches minibatches (one optimizer step each) of gradient_accumulation_steps micro-batches."""
-    if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
-        args.stop_token_id = [args.stop_token_id]
-    for allowed, (ok, flags) in FLAG_RANGES.items():
-        for flag in flags:  # NaN fails every comparison; inf is refused too
-            value = getattr(args, flag)
-            if not ok(value) or (isinstance(value, float) and not math.isfinite(value)):
-                fail(f"--{flag} {value} is out of range: it must be {allowed}")
-    for field in fields(args):  # from Python: Args(reward_fn="m:f") would read as the list ["m", ":", "f", ...]
-        if "list" in str(field.type) and isinstance(getattr(args, field.name), str):
-            fail(f"--{field.name} takes a list: {field.name}=[{getattr(args, field.name)!r}]")
-    num_sources = len(args.reward_model_path or []) + len(args.reward_fn or []) or 1  # none: the built-in reward
-    if args.reward_weights is not None and len(args.reward_weights) != num_sources:
-        fail(f"--reward_weights {args.reward_weights} does not give one weight per reward source ({num_sources}: the "
-             "reward models, then the reward functions)")
-    if args.reward_weights is not None and not all(math.isfinite(w) for w in args.reward_weights):
-        fail(f"--reward_weights {args.reward_weights}: every weight must be a finite number")
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+def derive_sizes(args, world_size):
+    """The batch sizes per rank (`local_`) and over all ranks: a rollout batch, split into
+    minibatches (one optimizer step each) of micro-batches."""
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    if local_batch_size % args.num_mini_batches:
-        fail(f"rollout batch {local_batch_size} (--per_device_train_batch_size x --gradient_accumulation_steps) "
-             f"is not divisible by --num_mini_batches {args.num_mini_batches}")
-    if local_batch_size % args.num_generations:
-        fail(f"rollout batch {local_batch_size} (--per_device_train_batch_size x --gradient_accumulation_steps) "
-             f"is not divisible by --num_generations {args.num_generations}")
-    if args.num_generations == 1 and args.advantage_estimator in ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline"):
-        fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one prompt: give "
-             "--num_generations >= 2")
-    if args.value_model_path and args.advantage_estimator != "gae":
-        fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has no value model")
-    if args.ref_model_path and args.kl_coef == 0:
-        fail("--ref_model_path is unused: --kl_coef 0 has no KL term")
-    if args.ref_model_path and args.lora_r:
-        fail("--ref_model_path is unused with --lora_r: the reference is the policy with its adapter off")
-    if (args.merge_lora or args.lora_target_modules) and not args.lora_r:
-        fail("--merge_lora and --lora_target_modules need --lora_r > 0")
-    if args.overlong_buffer > args.response_length:
-        fail(f"--overlong_buffer {args.overlong_buffer} is longer than --response_length {args.response_length}")
-    if args.adaptive_kl_target is not None and args.kl_coef == 0:
-        fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
     local_mini_batch_size = local_batch_size // args.num_mini_batches
-    if local_mini_batch_size % args.gradient_accumulation_steps:
-        fail(f"minibatch {local_mini_batch_size} is not divisible by --gradient_accumulation_steps "
-             f"{args.gradient_accumulation_steps}")
-    batch_size = local_batch_size * world_size  # prompts per update over all ranks
-    if args.total_episodes < batch_size:
-        fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({batch_size} over all ranks)")
-    if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
-        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
-    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
-        fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in reward scores only "
-             "the built-in task's sums)")
+    batch_size = local_batch_size * world_size  # responses per update over all ranks
     return SimpleNamespace(world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
                            local_num_prompts=local_batch_size // args.num_generations,
                            local_mini_batch_size=local_mini_batch_size,
@@ -347,7 +241,7 @@ def check_args(args):
                            num_updates=args.total_episodes // batch_size)
 
 
-# ---------------------------------------------------------------------------------------------------------- math (pure)
+# -------------------------------------------------------------------------------------- math (pure)
 def masked_mean(x, mask):
     """Σ x·m / Σ m over the real (mask=True) entries; 0 if there are none."""
     return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
@@ -357,12 +251,13 @@ def masked_var(x, mask):
     """Unbiased variance of the real entries."""
     mean = masked_mean(x, mask)
     n = mask.sum()
-    return masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0, not NaN, for a single entry
+    return masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0 for one entry
 
 
 def masked_whiten(x, mask, mean, var, shift_mean=True):
-    """(x − μ) / σ on the real entries, 0 elsewhere; shift_mean=False keeps μ (scales only). μ and σ² are the caller's:
-    under torchrun, those of the global batch (global_mean_var), so that every rank whitens alike."""
+    """(x − μ) / σ on the real entries, 0 elsewhere; shift_mean=False keeps μ (scales only). μ and
+    σ² are the caller's: under torchrun, those of the global batch (global_mean_var), so that every
+    rank whitens alike."""
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return torch.where(mask, whitened if shift_mean else whitened + mean, 0.0)
 
@@ -384,30 +279,34 @@ def is_stop(tokens, stop_token_ids):
 
 
 def response_lengths(responses, stop_token_ids):
-    """Real tokens per response: up to and including the first stop id, all of them if there is none."""
+    """Real tokens per response: up to and including the first stop id, all of them if there is
+    none."""
     return (first_true_index(is_stop(responses, stop_token_ids)) + 1).clamp(max=responses.shape[1])
 
 
 def kl_estimate(logprobs, ref_logprobs, kl_estimator):
-    """Per-token estimate of KL(π‖π_ref) from tokens sampled by π: k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ,
-    with ρ = π_ref/π (Schulman 2020, "Approximating KL divergence"). k1 and k3 are unbiased, k2 is biased but is the
-    one whose expected gradient as a loss is ∇KL(π‖π_ref) (see --kl_estimator)."""
+    """Per-token estimate of KL(π‖π_ref) from tokens sampled by π: k1 = −log ρ, k2 = ½(log ρ)², k3 =
+    ρ − 1 − log ρ, with ρ = π_ref/π (Schulman 2020, "Approximating KL divergence"). k1 and k3 are
+    unbiased, k2 is biased but is the one whose expected gradient as a loss is ∇KL(π‖π_ref) (see
+    --kl_estimator)."""
     log_ratio = ref_logprobs - logprobs
     if kl_estimator == "k2":
         return 0.5 * log_ratio**2
     return -log_ratio if kl_estimator == "k1" else log_ratio.exp() - 1 - log_ratio
 
 
-def reward_model_spread(source_scores, num_reward_models):
-    """The reward models' disagreement on each response (B,): the std (ddof 0) of their scores, the first
-    num_reward_models columns of source_scores (B, S). A policy that games one of them moves where they differ."""
-    return source_scores[:, :num_reward_models].std(1, correction=0)
+def adaptive_kl_coef(kl_coef, kl, target, batch_size, horizon):
+    """The adaptive KL controller of Ziegler et al. 2019: β ← β·(1 + clip(KL/target − 1, −0.2,
+    0.2)·batch/horizon), KL the batch's mean KL per response: β grows while the policy runs away
+    from π_ref, shrinks while it stays near."""
+    return kl_coef * (1 + min(max(kl / target - 1, -0.2), 0.2) * batch_size / horizon)
 
 
 def shaped_scores(scores, lengths, std, args):
-    """The sequence score shaped as the flags say, in this order: / std (--score_scaling running_std: the running
-    standard deviation, see running_moments), clipped to ±--score_clip, − λ·length, − DAPO's overlong penalty
-    p·(len − (max − L))/L over the last L = --overlong_buffer tokens of max = --response_length. (B,) -> (B,)."""
+    """The sequence score shaped as the flags say, in this order: / std (--score_scaling
+    running_std: the running standard deviation, see running_moments), clipped to ±--score_clip, −
+    λ·length, − DAPO's overlong penalty p·(len − (max − L))/L over the last L = --overlong_buffer
+    tokens of max = --response_length. (B,) -> (B,)."""
     if args.score_scaling == "running_std":
         scores = scores / std
     if args.score_clip is not None:
@@ -421,8 +320,9 @@ def shaped_scores(scores, lengths, std, args):
 
 
 def running_moments(moments, mean, var, n):
-    """Merge a batch's mean and unbiased variance of n values into the running (count, mean, M2) (Chan et al. 1979).
-    -> the new moments and the running standard deviation (1 until there are two values)."""
+    """Merge a batch's mean and unbiased variance of n values into the running (count, mean, M2)
+    (Chan et al. 1979). -> the new moments and the running standard deviation (1 until there are two
+    values)."""
     count, running_mean, m2 = moments
     delta, total = mean - running_mean, count + n
     m2 = m2 + var * (n - 1) + delta**2 * count * n / total
@@ -430,10 +330,18 @@ def running_moments(moments, mean, var, n):
     return (total, running_mean + delta * n / total, m2), std
 
 
+def reward_model_spread(source_scores, num_reward_models):
+    """The reward models' disagreement on each response (B,): the std (ddof 0) of their scores, the
+    first num_reward_models columns of source_scores (B, S). A policy that games one of them moves
+    where they differ."""
+    return source_scores[:, :num_reward_models].std(1, correction=0)
+
+
 def baselined_scores(scores, num_generations, advantage_estimator):
-    """The score s_i (B,) minus its baseline, from the k = num_generations consecutive responses to one prompt (a
-    group g): rloo s_i − (Σ_g s − s_i)/(k − 1); grpo (s_i − mean_g)/(std_g + 1e-4) (std unbiased, as TRL);
-    dr_grpo and reinforce_pp_baseline s_i − mean_g; gae and reinforce_pp s_i itself."""
+    """The score s_i (B,) minus its baseline, from the k = num_generations consecutive responses to
+    one prompt (a group g): rloo s_i − (Σ_g s − s_i)/(k − 1); grpo (s_i − mean_g)/(std_g + 1e-4)
+    (std unbiased, as TRL); dr_grpo and reinforce_pp_baseline s_i − mean_g; gae and reinforce_pp s_i
+    itself."""
     if advantage_estimator in ("gae", "reinforce_pp"):
         return scores
     groups = scores.view(-1, num_generations)  # (B/k, k)
@@ -446,7 +354,8 @@ def baselined_scores(scores, num_generations, advantage_estimator):
 
 
 def per_token_rewards(scores, kl, response_mask, kl_coef):
-    """r_t = −β·KL_t, plus the sequence's score on its last real token; 0 after it. (B,), (B, T) -> (B, T)."""
+    """r_t = −β·KL_t, plus the sequence's score on its last real token; 0 after it. (B,), (B, T) ->
+    (B, T)."""
     rewards = torch.where(response_mask, -kl_coef * kl, 0.0)
     last = response_mask.sum(-1) - 1
     rewards[torch.arange(len(scores), device=scores.device), last] += scores
@@ -454,8 +363,9 @@ def per_token_rewards(scores, kl, response_mask, kl_coef):
 
 
 def gae(rewards, values, response_mask, gamma, lam):
-    """δ_t = r_t + γ·V_{t+1} − V_t;  A_t = δ_t + γλ·A_{t+1};  R_t = A_t + V_t. V and A are 0 after the last real
-    token, so the episode ends there (at the stop token or at response_length). (B, T) -> (B, T), (B, T)."""
+    """δ_t = r_t + γ·V_{t+1} − V_t;  A_t = δ_t + γλ·A_{t+1};  R_t = A_t + V_t. V and A are 0 after
+    the last real token, so the episode ends there (at the stop token or at response_length). (B, T)
+    -> (B, T), (B, T)."""
     values = torch.where(response_mask, values, 0.0)
     rewards = torch.where(response_mask, rewards, 0.0)
     advantages = torch.zeros_like(rewards)
@@ -468,9 +378,10 @@ def gae(rewards, values, response_mask, gamma, lam):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, cliprange_high=None, dual_clip=None):
-    """The clipped surrogate per token (B, T): max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), and where A < 0 at most c·|A|
-    (dual clip: a huge ρ on a bad token cannot blow up the loss). Also token means: the fraction of tokens where the
-    clip is active, where the dual clip is, and the approx KL(π_old‖π_θ) ≈ E[(ρ − 1) − log ρ] (k3, unbiased, >= 0)."""
+    """The clipped surrogate per token (B, T): max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), and where A < 0
+    at most c·|A| (dual clip: a huge ρ on a bad token cannot blow up the loss). Also token means:
+    the fraction of tokens where the clip is active, where the dual clip is, and the approx
+    KL(π_old‖π_θ) ≈ E[(ρ − 1) − log ρ] (k3, unbiased, >= 0)."""
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
@@ -485,81 +396,76 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, cliprange_h
     return loss, clipfrac, masked_mean(dual_clipped.to(ratio.dtype), mask), approxkl
 
 
-def aggregate(x, mask, loss_agg, response_length):
-    """A minibatch's loss from per-token terms x (B, T), as --loss_agg says: token_mean Σ x / Σ m; seq_mean_token_mean
-    the mean over responses of Σ_t x / length; seq_mean_token_sum_norm Σ x / (B·response_length), a constant
-    denominator (Dr. GRPO: no length bias). B counts the responses with a token in the loss (all but those that
-    --mask_truncated_completions leaves out); 0 if there are none."""
-    if loss_agg == "token_mean":
-        return masked_mean(x, mask)
-    per_response, responses = torch.where(mask, x, 0.0).sum(-1), mask.any(-1).sum().clamp(min=1)  # (B,), B
-    if loss_agg == "seq_mean_token_mean":
-        return (per_response / mask.sum(-1).clamp(min=1)).sum() / responses
-    return per_response.sum() / (responses * response_length)
-
-
-def adaptive_kl_coef(kl_coef, kl, target, batch_size, horizon):
-    """The adaptive KL controller of Ziegler et al. 2019: β ← β·(1 + clip(KL/target − 1, −0.2, 0.2)·batch/horizon),
-    KL the batch's mean KL per response: β grows while the policy runs away from π_ref, shrinks while it stays near."""
-    return kl_coef * (1 + min(max(kl / target - 1, -0.2), 0.2) * batch_size / horizon)
-
-
 def value_loss(values, old_values, returns, mask, cliprange_value):
-    """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the fraction of tokens where the clip is active."""
+    """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the fraction of tokens where the
+    clip is active."""
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), mask)
     return loss, masked_mean((clipped_loss > unclipped_loss).to(loss.dtype), mask)
 
 
-# -------------------------------------------------------------------------------------------- π and V on padded batches
+def aggregate(x, mask, loss_agg, response_length):
+    """A minibatch's loss from per-token terms x (B, T), as --loss_agg says: token_mean Σ x / Σ m;
+    seq_mean_token_mean the mean over responses of Σ_t x / length; seq_mean_token_sum_norm Σ x /
+    (B·response_length), a constant denominator (Dr. GRPO: no length bias). B counts the responses
+    with a token in the loss (all but those that --mask_truncated_completions leaves out); 0 if
+    there are none."""
+    if loss_agg == "token_mean":
+        return masked_mean(x, mask)
+    per_response, responses = torch.where(mask, x, 0.0).sum(-1), mask.any(-1).sum().clamp(min=1)
+    if loss_agg == "seq_mean_token_mean":
+        return (per_response / mask.sum(-1).clamp(min=1)).sum() / responses
+    return per_response.sum() / (responses * response_length)
+
+
+# ------------------------------------------------------------------------ π and V on padded batches
 def forward_kwargs(input_ids, attention_mask):
-    """position_ids count real tokens only, so left padding changes nothing (GPT-2 is off by ~0.5 nats without)."""
+    """position_ids count real tokens: left padding changes nothing (GPT-2 is off without)."""
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
 
 
 def base_model(model):
-    """The transformers model under a peft model (the adapters sit inside it), or the model itself."""
+    """The transformers model under a peft model (the adapters sit inside it), or the model."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def backbone(model):
-    """The decoder stack of a causal LM or sequence classifier; under a peft model, that of its base model:
-    getattr(peft_model, base_model_prefix) can be the whole causal LM."""
+    """The decoder stack of a causal LM or sequence classifier; under a peft model, that of its base
+    model: getattr(peft_model, base_model_prefix) can be the whole causal LM."""
     base = base_model(model)
     return getattr(base, base.base_model_prefix)
 
 
 def last_hidden(model, input_ids, attention_mask, keep):
-    """The backbone's last hidden states (B, keep, H) at the last `keep` positions of a padded batch (B, S)."""
+    """The backbone's last hidden states (B, keep, H) at the last `keep` positions of (B, S)."""
     return backbone(model)(**forward_kwargs(input_ids, attention_mask)).last_hidden_state[:, -keep:]
 
 
 def forward(model, input_ids, attention_mask, keep):
-    """One forward over a padded batch (B, S) -> the last `keep` positions: logits (B, keep, V) of a causal LM, or
-    the per-token scalar (B, keep) of a sequence classifier's `score` head (value and reward models)."""
+    """One forward over a padded batch (B, S) -> the last `keep` positions: logits (B, keep, V), or
+    the scalar (B, keep) of a sequence classifier's `score` head."""
     if hasattr(model, "score"):
         return model.score(last_hidden(model, input_ids, attention_mask, keep)).squeeze(-1).float()
     return model(**forward_kwargs(input_ids, attention_mask), logits_to_keep=keep).logits
 
 
 def token_logprobs(x, tokens, temperature=1.0, head=None):
-    """(B, T, V) logits, or (B, T, H) hidden states and the output layer `head` (an nn.Linear), and (B, T) tokens
-    -> log π(token) = z_a/T − logsumexp(z/T) and entropy H = −Σ_v π_v·log π_v, both (B, T), float32 and
-    differentiable. Computed chunk by chunk by TokenLogprobs (memory-efficient log-probs, below)."""
+    """(B, T, V) logits, or (B, T, H) hidden states and the output layer `head`, and tokens (B, T)
+    -> log π(token) and entropy H, (B, T), float32 and differentiable, in chunks (TokenLogprobs)."""
     weight, bias = (None, None) if head is None else (head.weight, head.bias)
     logprobs, entropy = TokenLogprobs.apply(x.flatten(0, 1), weight, bias, tokens.flatten(), temperature)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
 
 
 def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
-    """log π(y_t|s_t) and entropy for every response position (B, R): position context_length−1+t predicts token t,
-    so the last token is never fed. head: output_layer(policy) or None; with it, logits bigger than one chunk are
-    never made whole (smaller ones cost no more memory whole, and save the recomputation in backward)."""
+    """log π(y_t|s_t) and entropy at every response position (B, R): position context_length−1+t
+    predicts y_t. head: output_layer(policy) or None; with it, logits past one chunk are never
+    whole."""
     responses = query_responses[:, context_length:]
     ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
-    if head is None or responses.numel() <= logprobs_chunk_rows(head.out_features):  # fits one chunk: plain logits
+    if head is None or responses.numel() <= logprobs_chunk_rows(head.out_features):  # one chunk
         return token_logprobs(forward(policy, ids, mask, R), responses, temperature)
     return token_logprobs(last_hidden(policy, ids, mask, R), responses, temperature, head)
 
@@ -571,13 +477,13 @@ def state_values(value_model, query_responses, attention_mask, context_length):
 
 
 class PolicyAndValue(torch.nn.Module):
-    """The two trained models as one module: DDP then averages all their gradients in one pass of buckets. Without a
-    value model (value-free estimators), the policy alone."""
+    """The two trained models as one module: DDP then averages all their gradients in one pass of
+    buckets. Without a value model (value-free estimators), the policy alone."""
 
     def __init__(self, policy, value_model, fused_head=False):
         super().__init__()
         self.policy, self.value_model = policy, value_model
-        self.fused_head = fused_head  # output_layer(policy) is not None: log-probs from the hidden states
+        self.fused_head = fused_head  # log-probs from hidden states
 
     def forward(self, query_responses, attention_mask, context_length, temperature):
         """-> log π_θ(y_t|s_t), entropy and V(s_t), each (B, R)."""
@@ -589,14 +495,14 @@ class PolicyAndValue(torch.nn.Module):
         return logprobs, entropy, state_values(self.value_model, query_responses, attention_mask, context_length)
 
 
-# -------------------------------------------------------------------------------------------------- rollout and scoring
+# ------------------------------------------------------------------------------ rollout and scoring
 def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_ids, pad_token_id, sync_ranks=False,
              generator=None):
-    """Sample y_t ~ softmax(z_t / T) with a KV cache: exactly the policy we train (no top-k/top-p); T = 0: the argmax
-    (greedy; its log-probs are those of T = 1). -> responses and log π_old(y_t|s_t), (B, L ≤ max_new_tokens), pad ids
-    and 0 after a row's first stop id. sync_ranks: a sharded policy's forward is a collective, so every rank steps until
-    all are done. generator: the sampling's own random stream. Call under no_grad or inference_mode."""
-    forward_signature = inspect.signature(base_model(policy).forward)  # a peft model's forward passes kwargs on
+    """Sample y_t ~ softmax(z_t / T) (T = 0: argmax) with a KV cache. -> responses and log
+    π_old(y_t|s_t), (B, L), pad and 0 after a row's stop id. sync_ranks: step until all ranks are
+    done (FSDP). generator: a random stream of its own."""
+    # exactly the policy we train (no top-k/top-p); T = 0 gets T = 1's log-probs; under no_grad
+    forward_signature = inspect.signature(base_model(policy).forward)  # peft passes kwargs on
     cache_kw = "cache" if "cache" in forward_signature.parameters else "past_key_values"
     cache = DynamicCache(config=policy.config)
     ids, mask = queries, query_mask
@@ -620,11 +526,9 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
 
 
 def rollout(models, queries, query_mask, args, rt, temperature=None, generator=None):
-    """Phase 1: sample a response to each query (B, P) with the current policy π_old, keeping log π_old of each
-    sampled token. -> the batch: query_responses (B, P + R), attention_mask, response_mask (B, R; True = real token,
-    the stop id included), lengths and truncated (B,; cut off before any stop id), logprobs (B, R; 0 on padding),
-    context_length P.
-    temperature and generator: the evaluation's (default: --temperature and the global random stream)."""
+    """Phase 1: sample a response to each query (B, P) with π_old, keeping log π_old. ->
+    query_responses, attention_mask, response_mask (B, R; True = real), lengths, truncated (B,),
+    logprobs, context_length. temperature, generator: the evaluation's."""
     chunk, pad, stop = args.local_rollout_forward_batch_size, models.tokenizer.pad_token_id, models.stop_token_ids
     with rt.no_grad(), rt.autocast(), gathered(models.policy, rt.fsdp and args.rollout_unshard):
         generated = [generate(models.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
@@ -635,7 +539,7 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
     responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad) for r, _ in generated])
     lengths = response_lengths(responses, stop)
     response_mask = torch.arange(R, device=responses.device) < lengths[:, None]
-    truncated = ~(is_stop(responses, stop) & response_mask).any(1)  # no stop id: every response is cut off
+    truncated = ~(is_stop(responses, stop) & response_mask).any(1)  # no stop id: all
     return dict(query_responses=torch.cat([queries, responses], 1), context_length=queries.shape[1],
                 attention_mask=torch.cat([query_mask, response_mask], 1), response_mask=response_mask,
                 lengths=lengths, truncated=truncated,
@@ -643,21 +547,17 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
 
 
 def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
-    """Phase 2: a no-grad forward of each frozen model over prompt + response, each chunk of rows cut to its longest
-    real sequence. -> ref_logprobs and values V(s_t) (B, R; 0 on padding), the completions' text, source_scores
-    (B, S): each reward model's at the last real token (or on the text, with its own tokenizer), then each reward
-    function's (NaN where it gave None), and raw_scores (B,) = Σ_s w_s·source_scores over the sources that scored the
-    row (TRL's meaning of None). trainer_state: what reward functions get as such. With bf16/fp16, log π_old is
-    recomputed by the training forward: the first ratio is then 1 (exactly on CPU; CUDA kernels picked by batch shape
-    may differ in the last bits). scores_only (the evaluation): no reference, value or policy forward."""
+    """Phase 2: no-grad forwards of the frozen models. -> ref_logprobs, values (B, R; 0 on padding),
+    completions, source_scores (B, S; NaN: None), raw_scores (B,) = Σ w·s over the sources that
+    scored. scores_only: the reward sources only."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
     logprobs = batch["logprobs"]  # (B, R), the sampler's; recomputed below under bf16/fp16
     ref_logprobs, values = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, R)
-    rm_scores = [torch.zeros(len(mask), device=rt.device) for _ in models.reward_models]  # (B,) each
+    rm_scores = [torch.zeros(len(mask), device=rt.device) for _ in models.reward_models]
     chunk = args.local_rollout_forward_batch_size
     with rt.no_grad(), rt.autocast():
         for i in range(0, len(mask), chunk):
-            rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # cut to the longest real response
+            rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # the longest real one
             width = context_length + L
             ids, ids_mask = batch["query_responses"][rows_i, :width], batch["attention_mask"][rows_i, :width]
             if models.ref_policy is not None and not scores_only:
@@ -666,12 +566,13 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
                                                                  args.temperature, models.ref_head)[0]
             if models.value_model is not None and not scores_only:
                 values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, context_length)
-            if rt.low_dtype and not scores_only:
+            if rt.low_dtype and not scores_only:  # log π_old as the training forward computes it: the first ratio
+                # is then 1 (on CUDA, kernels picked by batch shape may differ in the last bits)
                 logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask, context_length,
                                                          args.temperature, models.policy_head)[0]
             for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
                 if reward_tokenizer is None:  # the policy's token ids, read at the last real token
-                    token_scores = forward(reward_model, ids, ids_mask, L)  # (b, L): the score after each token
+                    token_scores = forward(reward_model, ids, ids_mask, L)  # (b, L)
                     rm_scores[j][rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
         responses = [r[context_length : context_length + n]
                      for r, n in zip(batch["query_responses"].tolist(), lengths.tolist())]
@@ -680,129 +581,29 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
             if reward_tokenizer is not None:  # its own tokenizer: it reads the text
                 rm_scores[j] = torch.cat([score_texts(reward_model, reward_tokenizer, prompts, rows[i : i + chunk],
                                                       completions[i : i + chunk]) for i in range(0, len(rows), chunk)])
-    # on every rank (a vote, as for a non-finite loss): a reward function that fails on one rank stops them all
+    # a vote, as for a non-finite loss: a reward function that fails on one rank stops them all
     fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, responses, trainer_state)
-    source_scores = torch.cat([*[s[:, None] for s in rm_scores], fn_scores.to(rt.device)], 1)  # (B, S)
-    if models.ref_policy is None:  # --kl_coef 0: π_ref stands in as π_old, so every KL estimate is 0
+    source_scores = torch.cat([*[s[:, None] for s in rm_scores], fn_scores.to(rt.device)], 1)
+    if models.ref_policy is None:  # --kl_coef 0: every KL is 0
         ref_logprobs = logprobs
     return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
                 values=values.masked_fill(~mask, 0.0), completions=completions, source_scores=source_scores,
                 raw_scores=(source_scores * models.reward_weights).nansum(1))
 
 
-def reference_weights(models, args):
-    """Context for a forward of models.ref_policy: with LoRA it is the policy itself, with its adapter switched off."""
-    return models.ref_policy.disable_adapter() if args.lora_r else nullcontext()
-
-
-def reward_text(reward_tokenizer, prompts, r, completion):
-    """Prompt r + completion as a reward model with its own tokenizer reads it: a chat prompt through its chat
-    template, if it has one."""
-    if prompts.messages[r] is not None and reward_tokenizer.chat_template:
-        turns = prompts.messages[r] + [{"role": "assistant", "content": completion}]
-        return reward_tokenizer.apply_chat_template(turns, tokenize=False)
-    return prompts.texts[r] + completion
-
-
-def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
-    """Scores (B,) of a reward model with its own tokenizer, which reads prompt + completion as text (reward_text). A
-    decoder's `score` head is read at the last real token; an encoder classifier pools by itself."""
-    device = next(reward_model.parameters()).device
-    enc = reward_tokenizer([reward_text(reward_tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
-                           padding=True, return_tensors="pt", add_special_tokens=prompts.messages[rows[0]] is None)
-    context = getattr(reward_model.config, "max_position_embeddings", None)
-    if context and enc["input_ids"].shape[1] > context:
-        fail(f"--reward_model_path {reward_model.name_or_path!r}: prompt + response is {enc['input_ids'].shape[1]} of "
-             f"its tokens, more than its context of {context}; lower --response_length")
-    enc = enc.to(device)
-    mask = enc["attention_mask"].bool()
-    if not hasattr(reward_model, "score"):
-        return reward_model(**enc).logits[:, 0].float()
-    last = (mask * torch.arange(mask.shape[1], device=device)).argmax(1, keepdim=True)
-    return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
-
-
-def evaluate(models, prompts, update, args, rt, trainer_state):
-    """Held-out evaluation: each prompt answered once at --eval_temperature (0: greedy), with a random stream of its
-    own seeded from (seed, update), never the training's: a run trains the same with or without it. Rank r takes
-    the r-th of world_size equal slices (the last prompt repeats to fill them: sharded models must run alike).
-    -> eval/score (mean raw score), eval/kl (the exact KL(π_θ‖π_ref) summed over each response: Σ_v π·log(π/π_ref)
-    at every token, mean over prompts), eval/response_length (and eval/rm_spread), over all ranks; and this rank's
-    samples."""
-    n = len(prompts.ids)
-    per_rank = -(-n // rt.world_size)
-    rows = [min(rt.rank * per_rank + i, n - 1) for i in range(per_rank)]
-    real = torch.tensor([rt.rank * per_rank + i < n for i in range(per_rank)], device=rt.device)
-    generator = torch.Generator(rt.device).manual_seed(hash((args.seed, update, rt.rank, 1)) % 2**63)
-    queries, query_mask = left_pad([prompts.ids[r] for r in rows], models.tokenizer.pad_token_id)
-    queries, query_mask = queries.to(rt.device), query_mask.to(rt.device)
-    batch = rollout(models, queries, query_mask, args, rt, args.eval_temperature, generator)
-    scored = score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=True)
-    metrics = {"eval/score": (scored["raw_scores"] * real).sum(),
-               "eval/response_length": (batch["lengths"] * real).sum()}
-    if models.ref_policy is not None:
-        metrics["eval/kl"] = (exact_kl(models, batch, args, rt) * real).sum()
-    if models.builtin_reward:
-        metrics["eval/success_rate"] = ((scored["raw_scores"] == 1) * real).sum()
-    num_rms = len(models.reward_models)
-    if num_rms > 1:  # as objective/rm_spread
-        metrics["eval/rm_spread"] = (reward_model_spread(scored["source_scores"], num_rms) * real).sum()
-    totals = all_ranks_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in metrics.values()]))
-    samples = [dict(update=update + 1, prompt=prompts.texts[r], completion=c, score=s) for r, c, s, keep in
-               zip(rows, scored["completions"], scored["raw_scores"].tolist(), real.tolist()) if keep]
-    return {key: value / n for key, value in zip(metrics, totals.tolist())}, samples
-
-
-def exact_kl(models, batch, args, rt):
-    """Σ_t Σ_v π_θ(v|s_t)·(log π_θ(v|s_t) − log π_ref(v|s_t)) per response (B,), at --temperature, over its real
-    tokens: the KL itself, not a one-sample estimate. Within the log-prob chunk budget: with both output layers usable,
-    from the last hidden states of each rollout chunk, logprobs_chunk_rows(V) real positions at a time; else (an
-    FSDP-sharded model, a logit transform) from the logits of as few sequences as fit a chunk, at least one."""
-    mask, T = batch["response_mask"], args.temperature
-    ids, ids_mask, R = batch["query_responses"][:, :-1], batch["attention_mask"][:, :-1], mask.shape[1]
-    vocab_size = models.policy.get_output_embeddings().weight.shape[0]
-    fused = models.policy_head is not None and models.ref_head is not None
-    chunk = args.local_rollout_forward_batch_size if fused else max(1, logprobs_chunk_rows(vocab_size) // R)
-    kl = torch.zeros(mask.shape, device=mask.device)  # (B, R)
-    with rt.no_grad(), rt.autocast():
-        for i in range(0, len(ids), chunk):
-            rows = slice(i, i + chunk)
-            if not fused:
-                logp = forward(models.policy, ids[rows], ids_mask[rows], R).float().div(T).log_softmax(-1)
-                with reference_weights(models, args):
-                    ref = forward(models.ref_policy, ids[rows], ids_mask[rows], R).float().div(T).log_softmax(-1)
-                kl[rows] = (logp.exp() * (logp - ref)).sum(-1)
-                continue
-            x = last_hidden(models.policy, ids[rows], ids_mask[rows], R)[mask[rows]]  # (N, H): real positions
-            with reference_weights(models, args):
-                x_ref = last_hidden(models.ref_policy, ids[rows], ids_mask[rows], R)[mask[rows]]
-            kl_rows, n, head, ref_head = [], logprobs_chunk_rows(vocab_size), models.policy_head, models.ref_head
-            for s in range(0, len(x), n):  # two (n, V) float32 tensors at a time, worked on in place
-                logp = chunk_logits(x[s : s + n], head.weight, head.bias, T)
-                logp -= logp.logsumexp(-1, keepdim=True)
-                ref = chunk_logits(x_ref[s : s + n], ref_head.weight, ref_head.bias, T)
-                ref = ref.sub_(ref.logsumexp(-1, keepdim=True)).neg_().add_(logp)  # log π − log π_ref
-                kl_rows.append(logp.exp_().mul_(ref).sum(-1))
-            kl[rows] = kl[rows].masked_scatter(mask[rows], torch.cat(kl_rows))
-    return torch.where(mask, kl, 0.0).sum(1)
-
-
-# ------------------------------------------------------------------------------------------------------- the PPO update
+# ----------------------------------------------------------------------------------- the PPO update
 def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
-    """Phase 5: num_ppo_epochs passes over this rank's batch in shuffled minibatches (one optimizer step each) of
-    gradient_accumulation_steps micro-batches. The loss is that of the whole minibatch on all ranks: a micro-batch's
-    is weighted by its share of the minibatch's tokens (token means) or responses (--loss_agg by response), times
-    world_size (DDP and FSDP average the ranks' gradients). -> stats (lists per micro-batch), stop_reason,
-    optimizer_steps (the steps taken: not those GradScaler skipped), train_tokens."""
+    """Phase 5: num_ppo_epochs passes over this rank's batch, a step per minibatch. -> stats (per
+    micro-batch), stop_reason, optimizer_steps (those taken), train_tokens."""
     lengths, context_length = batch["lengths"], batch["context_length"]
     params = [p for p in model.parameters() if p.requires_grad]
     stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
     for epoch in range(args.num_ppo_epochs):
         for mb_rows in torch.randperm(len(lengths), device=lengths.device).split(sizes.local_mini_batch_size):
-            # real response tokens and responses of the global minibatch (in the loss: see --mask_truncated_completions)
+            # tokens and responses in the global minibatch's loss (--mask_truncated_completions)
             loss_mask = batch["loss_mask"][mb_rows]
             mb_tokens, mb_responses = all_ranks_sum(torch.stack([loss_mask.sum(), loss_mask.any(1).sum()]).float())
-            if mb_tokens == 0:  # every response of the minibatch is left out: no step (every rank agrees)
+            if mb_tokens == 0:  # no token in the loss: no step
                 continue
             mb_approxkl, non_finite = [], torch.zeros((), device=lengths.device)
             micro_batches = mb_rows.split(sizes.micro_batch_size)
@@ -810,10 +611,13 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                 L = lengths[rows].max().item()  # pay only for real tokens
                 mb = {k: batch[k][rows, :L] for k in ("logprobs", "ref_logprobs", "values", "advantages", "returns")}
                 mb["response_mask"] = batch["loss_mask"][rows, :L]  # the tokens in the loss
+                # the loss is the whole minibatch's on all ranks: a micro-batch's share of its
+                # tokens (token means) or responses, times world_size (DDP and FSDP average the
+                # ranks' gradients)
                 token_share = mb["response_mask"].sum() * rt.world_size / mb_tokens
                 response_share = mb["response_mask"].any(1).sum() * rt.world_size / mb_responses
                 policy_share = token_share if args.loss_agg == "token_mean" else response_share
-                with gradient_sync(model, i == len(micro_batches) - 1):  # only after the minibatch's last
+                with gradient_sync(model, i == len(micro_batches) - 1):  # after its last
                     with rt.autocast():
                         width = context_length + L
                         new_logprobs, entropy, new_values = model(batch["query_responses"][rows, :width],
@@ -824,18 +628,18 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                     loss = policy_term * policy_share
                     if vf_loss is not None:
                         loss = loss + args.vf_coef * vf_loss * token_share
-                    non_finite += ~torch.isfinite(loss)  # voted on by all ranks below: one rank alone would hang
+                    non_finite += ~torch.isfinite(loss)  # voted on by all ranks below
                     scaler.scale(loss).backward()
                 update_stats(stats, mb, new_logprobs, entropy, args.cliprange, args.cliprange_high, losses)
                 mb_approxkl.append(losses["policy/approxkl_avg"].detach())
                 train_tokens += batch["attention_mask"][rows, :width].sum().item()
-            # early stop and the non-finite vote use every rank's numbers, so that all ranks take the same path
+            # early stop and the non-finite vote use every rank's numbers: all take the same path
             approxkl_sum, non_finite = all_ranks_sum(torch.stack([torch.stack(mb_approxkl).mean(), non_finite]))
             grad_norm = None if non_finite else optimizer_step(optimizer, scaler, params, args.max_grad_norm)
             if grad_norm is None:
                 stop_reason = "non-finite loss" if non_finite else "non-finite gradient"
                 break
-            if torch.isfinite(grad_norm):  # else (fp16) GradScaler skipped the step and lowered its scale
+            if torch.isfinite(grad_norm):  # else GradScaler skipped it
                 stats["policy/grad_norm"].append(grad_norm.float())
                 optimizer_steps += 1
             if args.target_kl is not None and approxkl_sum / rt.world_size > args.target_kl:
@@ -849,9 +653,9 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
 
 
 def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
-    """One micro-batch's loss terms: the policy's, aggregated as --loss_agg: L_clip (+ β·KL with --kl_in loss,
-    − c_H·entropy with --entropy_coef), and the value loss L_V (a token mean; None without a value model).
-    -> those two, and the named statistics of this micro-batch."""
+    """One micro-batch's loss terms: the policy's, aggregated as --loss_agg: L_clip (+ β·KL with
+    --kl_in loss, − c_H·entropy with --entropy_coef), and the value loss L_V (a token mean; None
+    without a value model). -> those two, and the named statistics of this micro-batch."""
     mask = mb["response_mask"]
     agg = lambda x: aggregate(x, mask, args.loss_agg, args.response_length)  # noqa: E731
     pg_tokens, clipfrac, dual_clipfrac, approxkl = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], mask,
@@ -861,7 +665,7 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     policy_term = pg_loss
     if args.dual_clip is not None:
         losses["policy/dual_clipfrac_avg"] = dual_clipfrac
-    if args.kl_in == "loss" and kl_coef:  # through π_θ, on the tokens π_old sampled (no importance weight)
+    if args.kl_in == "loss" and kl_coef:  # a gradient through π_θ
         losses["loss/kl_avg"] = kl_loss = agg(kl_estimate(new_logprobs, mb["ref_logprobs"], args.kl_estimator))
         policy_term = policy_term + kl_coef * kl_loss
     if args.entropy_coef:
@@ -874,74 +678,39 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     return policy_term, vf_loss, losses
 
 
-@contextmanager
-def gradient_sync(model, sync):
-    """Reduce gradients across ranks in this backward only if `sync`: DDP's no_sync(), FSDP2's
-    set_requires_gradient_sync(). A single process: nothing to do."""
-    for unit in (m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")):
-        unit.set_requires_gradient_sync(sync, recurse=False)
-    with nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
-        yield
-
-
-def optimizer_step(optimizer, scaler, params, max_grad_norm):
-    """Unscale (fp16), clip the global gradient norm, step, clear the gradients. -> the norm before clipping, or None
-    (no step) when it is not finite; under fp16 GradScaler skips such steps by itself, and the norm is inf."""
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-    if not torch.isfinite(grad_norm) and not scaler.is_enabled():
-        return None
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-@torch.no_grad()
-def update_stats(stats, mb, new_logprobs, entropy, cliprange, cliprange_high, losses):
-    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`. The share of ratios
-    outside the clip is of [1 − ε, 1 + ε_high], whatever the sign of A."""
-    ratio, mask = (new_logprobs - mb["logprobs"]).exp(), mb["response_mask"]
-    outside = (ratio < 1 - cliprange) | (ratio > 1 + (cliprange_high or cliprange))
-    for key, value in {**losses, "policy/entropy_avg": masked_mean(entropy, mask),
-                       "policy/ratio_outside_clip_avg": masked_mean(outside.float(), mask),
-                       "val/ratio": masked_mean(ratio, mask), "val/ratio_var": masked_var(ratio, mask)}.items():
-        stats[key].append(value.detach().float())
-
-
-# ----------------------------------------------------------------------------- main: setup, then the loop in six phases
+# --------------------------------------------------------- main: setup, then the loop in six phases
 def main(args: Args):
-    sizes = agreed(check_args, args)  # flags only: a bad one fails here, before anything is loaded or started
-    transformers.utils.logging.disable_progress_bar()  # loading and saving bars would bury the per-update lines
-    model_path, dataset, eval_dataset = builtin_task(args)  # written before the process group exists (see there)
+    sizes = agreed(check_args, args)  # a bad flag fails before loading
+    transformers.utils.logging.disable_progress_bar()  # no progress bars
+    model_path, dataset, eval_dataset = builtin_task(args)  # before the process group
     rt = start_processes(args)  # torchrun: join the process group; device and precision
     output_dir = from_rank_0(args.output_dir or default_output_dir(args))
-    inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # fails before models load
+    inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # before models load
     prompts = inputs.prompts
     random.seed(args.seed)
-    torch.manual_seed(args.seed)  # the same on every rank: a new value head starts identical everywhere
+    torch.manual_seed(args.seed)  # a new value head: the same on all ranks
     models = load_models(args, model_path, inputs, rt)
-    model = wrap_for_training(models, args, rt)  # policy and value model as one module; DDP or FSDP2 under torchrun
+    model = wrap_for_training(models, args, rt)  # one module; DDP or FSDP2
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-8,
                                   weight_decay=0.0, fused=rt.device.type in ("cpu", "cuda"))  # fp32 state
     schedule = lambda u: 1.0 - u / sizes.num_updates if args.anneal_lr else 1.0  # noqa: E731
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 gradients underflow unscaled
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 needs scaling
     log = Logger(args, output_dir, sizes, rt, len(prompts.texts), models)
     start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     for update in range(start_update, sizes.num_updates):
         clock = Clock()
-        # each rank takes its own slice of the update's global batch, and its own seed (ints hash to themselves,
-        # so this is the same in every run): a resumed run continues exactly, with no RNG state to restore
+        # each rank takes its own slice of the update's global batch, and its own seed (ints hash to
+        # themselves, so this is the same in every run): a resumed run continues exactly, with no
+        # RNG state to restore
         rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed, rt.rank, rt.world_size)
-        rows = rows.repeat_interleave(args.num_generations).tolist()  # a group: k consecutive rows, one prompt
+        rows = rows.repeat_interleave(args.num_generations).tolist()  # a group: k rows
         random.seed(hash((args.seed, update, rt.rank)))
         torch.manual_seed(hash((args.seed, update, rt.rank)) % 2**63)
-        model.eval()  # dropout is off anyway; transformers 4.x drops the KV cache of a checkpointed train()-mode model
+        model.eval()  # 4.x: train() mode drops the KV cache
 
-        # 1. rollout: sample responses with the current policy π_old, keeping log π_old of each sampled token
+        # 1. rollout: sample responses with the current policy π_old, keeping each token's log π_old
         queries, query_mask = left_pad([prompts.ids[i] for i in rows], models.tokenizer.pad_token_id)
         batch = rollout(models, queries.to(rt.device), query_mask.to(rt.device), args, rt)
         mask = batch["response_mask"]  # (B, R), True = real response token
@@ -957,20 +726,20 @@ def main(args: Args):
             mean, var = global_mean_var(scores, torch.ones_like(scores, dtype=torch.bool))
             progress["score_moments"], std = running_moments(progress["score_moments"], mean.item(), var.item(),
                                                              sizes.batch_size)
-        scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # scaled, clipped, length penalties
+        scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # as the flags say
         clock.lap("score")
 
-        # 3. KL and rewards: r_t = −β·KL_t on every token (unless the KL is a loss term), plus the score (minus its
-        # group's baseline, for the value-free estimators) on the last real one
+        # 3. KL and rewards: r_t = −β·KL_t on every token (unless the KL is a loss term), plus the
+        # score (minus its group's baseline, for the value-free estimators) on the last real one
         kl = torch.where(mask, kl_estimate(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator), 0.0)
         reward_kl_coef = kl_coef if args.kl_in == "reward" else 0.0
         baselined = baselined_scores(scores, args.num_generations, args.advantage_estimator)
         rewards = per_token_rewards(baselined, kl, mask, reward_kl_coef)  # (B, R)
-        if args.whiten_rewards:  # unit variance, mean kept; statistics of the global batch (all ranks)
+        if args.whiten_rewards:  # over all ranks, mean kept
             rewards = masked_whiten(rewards, mask, *global_mean_var(rewards, mask), shift_mean=False)
 
-        # 4. advantages: GAE, then whitened with the statistics of the global batch (all ranks). Value-free: V = 0
-        # and λ = 1, so A_t = Σ_{t'≥t} γ^(t'−t)·r_t', the reward-to-go; the group baselines are not whitened
+        # 4. advantages: GAE, whitened over the global batch. Value-free: V = 0 and λ = 1, so
+        # A_t = Σ_{t'≥t} γ^(t'−t)·r_t', the reward-to-go; group baselines are not whitened
         lam = args.lam if args.advantage_estimator == "gae" else 1.0
         advantages, returns = gae(rewards, batch["values"], mask, args.gamma, lam)
         if args.advantage_estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
@@ -979,11 +748,11 @@ def main(args: Args):
         batch.update(scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
                      kl_coef=kl_coef, reward_kl_coef=reward_kl_coef, loss_mask=loss_mask)
 
-        # 5. PPO epochs: num_ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each
+        # 5. PPO epochs: num_ppo_epochs passes over the batch, one optimizer step per minibatch
         model.train()
         trained = ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt)
         lr = lr_scheduler.get_last_lr()[0]
-        with warnings.catch_warnings():  # a first update with every step skipped: torch warns of the order
+        with warnings.catch_warnings():  # no warning if no step was taken
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
             lr_scheduler.step()
         progress["bad_updates"] = count_bad_updates(progress["bad_updates"], trained.stop_reason, update, log)
@@ -992,16 +761,16 @@ def main(args: Args):
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
         metrics, token_counts = update_metrics(batch, trained, models, args, rt)
         samples = []
-        if inputs.eval_prompts and log.evaluates(update):  # held-out prompts, after this update's epochs
+        if inputs.eval_prompts and log.evaluates(update):  # held-out prompts
             model.eval()
             eval_metrics, samples = evaluate(models, inputs.eval_prompts, update, args, rt,
                                              trainer_state(update + 1, sizes, args, prompts))
             metrics.update(eval_metrics)
         log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows, samples)
-        if args.adaptive_kl_target is not None:  # from the KL of the global batch: every rank gets the same β
+        if args.adaptive_kl_target is not None:  # the global KL: the same β everywhere
             kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.adaptive_kl_target, sizes.batch_size,
                                        args.adaptive_kl_horizon)
-        stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # a signal on any rank
+        stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # on any rank
         if stop or (args.save_every and (update + 1) % args.save_every == 0):
             saved = save_checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, model, optimizer,
                                     lr_scheduler, scaler, args, rt, models)
@@ -1014,123 +783,96 @@ def main(args: Args):
     return log.last
 
 
-def trainer_state(updates_done, sizes, args, prompts):
-    """What reward functions get as trainer_state (TRL's fields): updates done and in the run, passes over the
-    prompts."""
-    epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
-    return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
+# ====== Behind main (a first reading may stop here): checks, evaluation, models, data, rewards, systems ======
+# -------------------------------------------------- flags and inputs, checked before anything loads
+def fail(message):
+    """Bad input: one line naming the flag to fix (no traceback); nothing written is touched."""
+    raise SystemExit(f"error: {message}")
 
 
-def default_output_dir(args):
-    """runs/<exp_name>__<seed>__<unix time>; with --resume auto, the newest such folder of this --exp_name and --seed
-    that holds a checkpoint (if any)."""
-    prefix = f"{args.exp_name}__{args.seed}__"
-    if args.resume == "auto" and os.path.isdir("runs"):
-        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
-                and list_checkpoints(os.path.join("runs", d))]
-        if runs:
-            return os.path.join("runs", max(runs, key=lambda d: int(d[len(prefix):])))
-    return f"runs/{prefix}{int(time.time())}"
+# What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
+FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradient_accumulation_steps",
+                                          "num_mini_batches", "num_ppo_epochs", "response_length",
+                                          "local_rollout_forward_batch_size", "total_episodes", "num_generations",
+                                          "adaptive_kl_horizon"]),
+               "> 0": (lambda v: v > 0, ["temperature", "cliprange", "cliprange_value", "max_grad_norm",
+                                        "dist_timeout_s", "lora_alpha"]),
+               ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
+                                          "num_sample_generations", "lora_r", "eval_temperature",
+                                          "overlong_buffer", "health_window"]),
+               "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
+               "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
+                                                                 "score_clip"]),
+               "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
+               "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
+                                                           ["stop_token_id"]),
+               "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef",
+                                                               "length_penalty", "overlong_penalty"])}
 
 
-def count_bad_updates(bad_updates, stop_reason, update, log):
-    """The non-finite streak: a non-finite loss or gradient skips the rest of the update; three in a row end the run."""
-    if stop_reason not in ("non-finite loss", "non-finite gradient"):
-        return 0
-    log.print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr)
-    if bad_updates + 1 >= 3:
-        fail(f"{bad_updates + 1} updates in a row had a non-finite loss or gradient; lower --learning_rate, "
-             "check the reward scale, or use --dtype fp32")
-    return bad_updates + 1
-
-
-# --------------------------------------------------------------------------------------------- models, data and rewards
-def from_pretrained(cls, path, flag, args, **kwargs):
-    """cls.from_pretrained(path), or one line naming the flag when that fails."""
-    if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(path)):
-        fail(f"--{flag} {path!r}: no such folder (give a model folder, or a hub name like org/model)")
-    try:
-        return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
-    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: weights of other shapes than the config's
-        fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
-
-
-def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, **kwargs):
-    """A model in `dtype` whatever its storage dtype (transformers >= 5 would keep the storage's), with dropout off (it
-    would make the training forward disagree with the rollout's π_old). Weights the checkpoint lacks (or has in excess)
-    get one warning line instead of transformers' load report; new_head: a new `score` head is expected (a value model
-    started from a causal LM), and model.new_head says if it was made."""
-    base = adapter_base(path, flag)
-    if base:  # an adapter checkpoint (peft): its base model with the adapter merged in
-        model = load_pretrained(cls, base, flag, args, dtype, new_head, **kwargs)
-        peft = import_peft(f"--{flag} {path!r} (an adapter)")
-        return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
-    config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
-    for key, value in config.to_dict().items():
-        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
-            setattr(config, key, 0.0)
-
-    def no_report(record):  # transformers' load report (5.x: "LOAD REPORT", 4.x: "Some weights of"), said below
-        return "LOAD REPORT" not in record.getMessage() and not record.getMessage().startswith("Some weights of")
-
-    transformers_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
-    transformers_log.addFilter(no_report)
-    try:
-        model, info = from_pretrained(cls, path, flag, args, config=config, output_loading_info=True, dtype=dtype)
-    finally:
-        transformers_log.removeFilter(no_report)
-    missing = [k for k in info["missing_keys"] if not (new_head and k.startswith("score."))]
-    for kind, keys in (("missing from", missing), ("unused by", info["unexpected_keys"])):
-        if keys:
-            print(f"warning: --{flag} {path!r}: {len(keys)} weights {kind} the checkpoint "
-                  f"({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})", file=sys.stderr)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    model.new_head = new_head and any(k.startswith("score.") for k in info["missing_keys"])
-    return model
-
-
-def adapter_base(path, flag="model_name_or_path"):
-    """The base model that an adapter checkpoint folder names in its adapter_config.json; None for a model."""
-    config = os.path.join(os.path.expanduser(path), "adapter_config.json")
-    if not os.path.isfile(config):
-        return None
-    try:
-        with open(config) as f:
-            return json.load(f)["base_model_name_or_path"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        fail(f"--{flag} {path!r}: its adapter_config.json cannot be read ({type(e).__name__}: {e}); give a model or a "
-             "peft adapter folder")
-
-
-def ensure_pad_token(tokenizer):
-    """Give a tokenizer without a pad token, or whose pad token is EOS, a distinct one: EOS is an action the policy
-    takes and must never be mistaken for padding."""
-    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-    return tokenizer
-
-
-def fit_tokenizer(model, tokenizer):
-    """Make room for an added pad token and record it in the config (HF's own pooling reads config.pad_token_id).
-    -> whether the embeddings grew."""
-    resized = len(tokenizer) > model.get_input_embeddings().num_embeddings
-    if resized:
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return resized
+def check_args(args):
+    """Every check that needs only the flags (and torchrun's WORLD_SIZE), before anything is loaded
+    or started. -> the derived sizes (derive_sizes)."""
+    if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
+        args.stop_token_id = [args.stop_token_id]
+    for allowed, (ok, flags) in FLAG_RANGES.items():
+        for flag in flags:  # NaN fails every comparison; inf is refused too
+            value = getattr(args, flag)
+            if not ok(value) or (isinstance(value, float) and not math.isfinite(value)):
+                fail(f"--{flag} {value} is out of range: it must be {allowed}")
+    for field in fields(args):  # Args(reward_fn="m:f")
+        if "list" in str(field.type) and isinstance(getattr(args, field.name), str):
+            fail(f"--{field.name} takes a list: {field.name}=[{getattr(args, field.name)!r}]")
+    num_sources = len(args.reward_model_path or []) + len(args.reward_fn or []) or 1  # none: built-in
+    if args.reward_weights is not None and len(args.reward_weights) != num_sources:
+        fail(f"--reward_weights {args.reward_weights} does not give one weight per reward source ({num_sources}: the "
+             "reward models, then the reward functions)")
+    if args.reward_weights is not None and not all(math.isfinite(w) for w in args.reward_weights):
+        fail(f"--reward_weights {args.reward_weights}: every weight must be a finite number")
+    sizes = derive_sizes(args, int(os.environ.get("WORLD_SIZE", 1)))
+    rollout_batch = (f"rollout batch {sizes.local_batch_size} (--per_device_train_batch_size x "
+                     "--gradient_accumulation_steps)")
+    for what, size, flag in ((rollout_batch, sizes.local_batch_size, "num_mini_batches"),
+                             (rollout_batch, sizes.local_batch_size, "num_generations"),
+                             (f"minibatch {sizes.local_mini_batch_size}", sizes.local_mini_batch_size,
+                              "gradient_accumulation_steps")):
+        if size % getattr(args, flag):
+            fail(f"{what} is not divisible by --{flag} {getattr(args, flag)}")
+    if args.num_generations == 1 and args.advantage_estimator in ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline"):
+        fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one prompt: give "
+             "--num_generations >= 2")
+    if args.value_model_path and args.advantage_estimator != "gae":
+        fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has no value model")
+    if args.ref_model_path and args.kl_coef == 0:
+        fail("--ref_model_path is unused: --kl_coef 0 has no KL term")
+    if args.ref_model_path and args.lora_r:
+        fail("--ref_model_path is unused with --lora_r: the reference is the policy with its adapter off")
+    if (args.merge_lora or args.lora_target_modules) and not args.lora_r:
+        fail("--merge_lora and --lora_target_modules need --lora_r > 0")
+    if args.overlong_buffer > args.response_length:
+        fail(f"--overlong_buffer {args.overlong_buffer} is longer than --response_length {args.response_length}")
+    if args.adaptive_kl_target is not None and args.kl_coef == 0:
+        fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
+    if args.total_episodes < sizes.batch_size:
+        fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({sizes.batch_size} over all "
+             "ranks)")
+    if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
+        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
+    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
+        fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in reward scores only "
+             "the built-in task's sums)")
+    return sizes
 
 
 def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
-    """Every check that needs files but no model weights, so that bad input fails before minutes of loading: the
-    output folder, the models' configs, the policy's tokenizer and stop ids, the prompts, the rewards. -> tokenizer,
-    prompts, eval_prompts, reward_tokenizers, reward_fns, stop_token_ids, stored_dtypes."""
+    """Every check that needs files but no weights: output folder, configs, tokenizer and stop ids,
+    prompts, rewards. -> tokenizer, prompts, eval_prompts, reward_tokenizers, reward_fns,
+    stop_token_ids, stored_dtypes."""
     check_output(args, output_dir)
     configs, reward_configs, stored_dtypes = check_configs(args, model_path)
     base = adapter_base(model_path)
     has_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
-    tokenizer_path = base if base and not has_tokenizer else model_path  # an adapter without a tokenizer: its base's
+    tokenizer_path = base if base and not has_tokenizer else model_path  # an adapter's base's
     tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args))
     policy_config = configs["model_name_or_path"]
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base or model_path, policy_config)
@@ -1145,7 +887,7 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
 
 
 def check_output(args, output_dir):
-    """The output folder (writable, no run in it unless resumed), the checkpoint to resume, wandb and peft."""
+    """The output folder (writable, no run in it unless resumed), the checkpoint, wandb, peft."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output_dir {output_dir!r} is a file; give a folder")
     parent = os.path.abspath(output_dir)
@@ -1168,8 +910,8 @@ def check_output(args, output_dir):
 
 
 def check_configs(args, model_path):
-    """The models' configs (an adapter folder's: its base's; a reward model must be a sequence classifier with one
-    label) -> {flag: config}, {reward model path: config}, {path: the dtype its weights are stored in}."""
+    """The models' configs (a reward model: a sequence classifier, 1 label) -> {flag: config},
+    {reward model path: config}, {path: its storage dtype}."""
     configs, sources = {}, {}  # {flag: config}, {path: config} of every model
     for flag, path in (("model_name_or_path", model_path), ("ref_model_path", args.ref_model_path),
                        ("value_model_path", args.value_model_path)):
@@ -1189,7 +931,7 @@ def check_configs(args, model_path):
             fail(f"--reward_model_path {path!r} is a {kind} with {reward_config.num_labels} labels; a reward model "
                  "has 1")
     sources.update(reward_configs)
-    stored_dtypes = {path: stored_dtype(path, config) for path, config in sources.items()}  # --save_dtype auto
+    stored_dtypes = {path: stored_dtype(path, config) for path, config in sources.items()}  # for auto saves
     bf16_stored = [path for path, dtype in stored_dtypes.items() if dtype == torch.bfloat16]
     if args.dtype == "fp16" and bf16_stored and int(os.environ.get("RANK", 0)) == 0:
         print(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype fp16 can overflow "
@@ -1198,8 +940,8 @@ def check_configs(args, model_path):
 
 
 def check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts, stop_token_ids):
-    """-> each reward model's own tokenizer (None where it reads the policy's token ids), its context checked against
-    the prompts; and the reward functions [(function, its flag value, how it is called: see reward_call)]."""
+    """-> each reward model's own tokenizer (None: it reads the policy's ids), its context checked;
+    the reward functions [(function, its flag value, how it is called)]."""
     reward_tokenizers = []
     for path in args.reward_model_path or []:
         reward_tokenizer = from_pretrained(AutoTokenizer, path, "reward_model_path", args)
@@ -1211,7 +953,7 @@ def check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts, stop_t
         for p in [prompts] + ([eval_prompts] if eval_prompts else []):
             check_reward_context(path, reward_configs[path], reward_tokenizer, p, args)
     reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
-    if not reward_fns and not args.reward_model_path:  # check_args allows it with the built-in prompts only
+    if not reward_fns and not args.reward_model_path:  # the built-in prompts
         reward_fns = [(addition_reward, "addition_reward")]
         if ADDITION_WORDS.index("<eos>") not in stop_token_ids:
             fail("the built-in task's answers end at its EOS, which is not a stop id here: keep --stop_token eos")
@@ -1220,8 +962,8 @@ def check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts, stop_t
 
 
 def stored_dtype(path, config):
-    """The dtype a checkpoint's weights are stored in: its config's, read before loading (a loaded model's config says
-    the dtype it was loaded in), else its first tensor's (a local safetensors folder). None if neither says."""
+    """The dtype a checkpoint is stored in: its config's (read before loading: loading rewrites it),
+    else its first tensor's. None if unknown."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if dtype is None and os.path.isdir(os.path.expanduser(path)):
         files = sorted(f for f in os.listdir(os.path.expanduser(path)) if f.endswith(".safetensors"))
@@ -1237,9 +979,8 @@ def stored_dtype(path, config):
 
 
 def resolve_stop_token_ids(args, tokenizer, path, config):
-    """The ids that end a response: --stop_token_id; with --stop_token eos the tokenizer's EOS and every id of the
-    policy's generation_config.eos_token_id (transformers derives it from config.json where there is no
-    generation_config.json); else none. Only eos_token_id is read: sampling ignores the generation config."""
+    """The ids that end a response: --stop_token_id; with --stop_token eos, the tokenizer's EOS and
+    each eos_token_id of the policy's generation config (only that key is read); else none."""
     if args.stop_token_id is not None:
         ids = list(args.stop_token_id)
     elif args.stop_token == "eos":
@@ -1251,7 +992,7 @@ def resolve_stop_token_ids(args, tokenizer, path, config):
         ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])]
     else:
         ids = []
-    ids = list(dict.fromkeys(i for i in ids if i is not None))  # in order, once each
+    ids = list(dict.fromkeys(i for i in ids if i is not None))  # once each
     vocab_size = max(len(tokenizer), getattr(config.get_text_config(), "vocab_size", 0) or 0)
     outside = [i for i in ids if not 0 <= i < vocab_size]
     if outside:
@@ -1263,8 +1004,8 @@ def resolve_stop_token_ids(args, tokenizer, path, config):
 
 
 def check_reward_context(path, config, reward_tokenizer, prompts, args):
-    """Prompt + --response_length must fit a reward model's context (max_position_embeddings): its longest prompt in
-    the policy's tokens, or rendered by the reward model's own tokenizer."""
+    """Prompt + --response_length must fit a reward model's context (max_position_embeddings): its
+    longest prompt in the policy's tokens, or rendered by the reward model's own tokenizer."""
     context = getattr(config, "max_position_embeddings", None)
     if not context:
         return
@@ -1279,11 +1020,148 @@ def check_reward_context(path, config, reward_tokenizer, prompts, args):
              f"exceed its context of {context}; shorten the prompts or --response_length")
 
 
+# -------------------------------------------------------------------------- the held-out evaluation
+def evaluate(models, prompts, update, args, rt, trainer_state):
+    """Held-out evaluation at --eval_temperature, with a random stream of its own. -> eval/ metrics
+    over all ranks (eval/kl: exact, per response), and this rank's samples."""
+    n = len(prompts.ids)
+    per_rank = -(-n // rt.world_size)  # equal slices (FSDP)
+    rows = [min(rt.rank * per_rank + i, n - 1) for i in range(per_rank)]
+    real = torch.tensor([rt.rank * per_rank + i < n for i in range(per_rank)], device=rt.device)
+    # its own stream: a run trains the same with or without evaluation
+    generator = torch.Generator(rt.device).manual_seed(hash((args.seed, update, rt.rank, 1)) % 2**63)
+    queries, query_mask = left_pad([prompts.ids[r] for r in rows], models.tokenizer.pad_token_id)
+    queries, query_mask = queries.to(rt.device), query_mask.to(rt.device)
+    batch = rollout(models, queries, query_mask, args, rt, args.eval_temperature, generator)
+    scored = score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=True)
+    metrics = {"eval/score": (scored["raw_scores"] * real).sum(),
+               "eval/response_length": (batch["lengths"] * real).sum()}
+    if models.ref_policy is not None:
+        metrics["eval/kl"] = (exact_kl(models, batch, args, rt) * real).sum()
+    if models.builtin_reward:
+        metrics["eval/success_rate"] = ((scored["raw_scores"] == 1) * real).sum()
+    num_rms = len(models.reward_models)
+    if num_rms > 1:  # as objective/rm_spread
+        metrics["eval/rm_spread"] = (reward_model_spread(scored["source_scores"], num_rms) * real).sum()
+    totals = all_ranks_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in metrics.values()]))
+    samples = [dict(update=update + 1, prompt=prompts.texts[r], completion=c, score=s) for r, c, s, keep in
+               zip(rows, scored["completions"], scored["raw_scores"].tolist(), real.tolist()) if keep]
+    return {key: value / n for key, value in zip(metrics, totals.tolist())}, samples
+
+
+def exact_kl(models, batch, args, rt):
+    """Σ_t Σ_v π_θ·(log π_θ − log π_ref) per response (B,) at --temperature, within the log-prob
+    chunk budget: from hidden states by chunks; without a usable output layer (FSDP, a logit
+    transform), from the logits of as few sequences as fit, one at least."""
+    mask, T = batch["response_mask"], args.temperature
+    ids, ids_mask, R = batch["query_responses"][:, :-1], batch["attention_mask"][:, :-1], mask.shape[1]
+    vocab_size = models.policy.get_output_embeddings().weight.shape[0]
+    fused = models.policy_head is not None and models.ref_head is not None
+    chunk = args.local_rollout_forward_batch_size if fused else max(1, logprobs_chunk_rows(vocab_size) // R)
+    kl = torch.zeros(mask.shape, device=mask.device)  # (B, R)
+    with rt.no_grad(), rt.autocast():
+        for i in range(0, len(ids), chunk):
+            rows = slice(i, i + chunk)
+            if not fused:
+                logp = forward(models.policy, ids[rows], ids_mask[rows], R).float().div(T).log_softmax(-1)
+                with reference_weights(models, args):
+                    ref = forward(models.ref_policy, ids[rows], ids_mask[rows], R).float().div(T).log_softmax(-1)
+                kl[rows] = (logp.exp() * (logp - ref)).sum(-1)
+                continue
+            x = last_hidden(models.policy, ids[rows], ids_mask[rows], R)[mask[rows]]  # (N, H)
+            with reference_weights(models, args):
+                x_ref = last_hidden(models.ref_policy, ids[rows], ids_mask[rows], R)[mask[rows]]
+            kl_rows, n, head, ref_head = [], logprobs_chunk_rows(vocab_size), models.policy_head, models.ref_head
+            for s in range(0, len(x), n):  # two (n, V) tensors, in place
+                logp = chunk_logits(x[s : s + n], head.weight, head.bias, T)
+                logp -= logp.logsumexp(-1, keepdim=True)
+                ref = chunk_logits(x_ref[s : s + n], ref_head.weight, ref_head.bias, T)
+                ref = ref.sub_(ref.logsumexp(-1, keepdim=True)).neg_().add_(logp)  # log π/π_ref
+                kl_rows.append(logp.exp_().mul_(ref).sum(-1))
+            kl[rows] = kl[rows].masked_scatter(mask[rows], torch.cat(kl_rows))
+    return torch.where(mask, kl, 0.0).sum(1)
+
+
+# ------------------------------------------------------------------------- models, data and rewards
+def from_pretrained(cls, path, flag, args, **kwargs):
+    """cls.from_pretrained(path), or one line naming the flag when that fails."""
+    if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(path)):
+        fail(f"--{flag} {path!r}: no such folder (give a model folder, or a hub name like org/model)")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
+    except (OSError, ValueError, RuntimeError) as e:  # shapes off the config
+        fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
+
+
+def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, **kwargs):
+    """A model in `dtype` whatever its storage, dropout off (it would break π_old), one warning line
+    for missing or unused weights. new_head: a `score` head may be new (model.new_head)."""
+    base = adapter_base(path, flag)
+    if base:  # an adapter checkpoint (peft): its base model with the adapter merged in
+        model = load_pretrained(cls, base, flag, args, dtype, new_head, **kwargs)
+        peft = import_peft(f"--{flag} {path!r} (an adapter)")
+        return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
+    config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, key, 0.0)
+
+    def no_report(record):  # said below instead
+        return "LOAD REPORT" not in record.getMessage() and not record.getMessage().startswith("Some weights of")
+
+    transformers_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
+    transformers_log.addFilter(no_report)
+    try:
+        model, info = from_pretrained(cls, path, flag, args, config=config, output_loading_info=True,
+                                      dtype=dtype)  # transformers >= 5 would keep the storage's dtype
+    finally:
+        transformers_log.removeFilter(no_report)
+    missing = [k for k in info["missing_keys"] if not (new_head and k.startswith("score."))]
+    for kind, keys in (("missing from", missing), ("unused by", info["unexpected_keys"])):
+        if keys:
+            print(f"warning: --{flag} {path!r}: {len(keys)} weights {kind} the checkpoint "
+                  f"({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})", file=sys.stderr)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    model.new_head = new_head and any(k.startswith("score.") for k in info["missing_keys"])
+    return model
+
+
+def adapter_base(path, flag="model_name_or_path"):
+    """The base model an adapter folder's adapter_config.json names; None for a model."""
+    config = os.path.join(os.path.expanduser(path), "adapter_config.json")
+    if not os.path.isfile(config):
+        return None
+    try:
+        with open(config) as f:
+            return json.load(f)["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"--{flag} {path!r}: its adapter_config.json cannot be read ({type(e).__name__}: {e}); give a model or a "
+             "peft adapter folder")
+
+
+def ensure_pad_token(tokenizer):
+    """Give a tokenizer without a pad token, or whose pad token is EOS, a distinct one: EOS is an
+    action the policy takes and must never be mistaken for padding."""
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    return tokenizer
+
+
+def fit_tokenizer(model, tokenizer):
+    """Make room for an added pad token and record it in the config (HF's own pooling reads
+    config.pad_token_id). -> whether the embeddings grew."""
+    resized = len(tokenizer) > model.get_input_embeddings().num_embeddings
+    if resized:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return resized
+
+
 def load_models(args, model_path, inputs, rt):
-    """Every model, on rt.device. Trained weights are fp32 whatever the checkpoint's storage dtype (fp32 master
-    weights: a bf16 copy would round away most small updates): the policy and the value model, with LoRA their
-    adapters and the value head. Frozen weights are held in --dtype's precision: the reference policy (default: a
-    copy of the initial policy), the reward models, and with LoRA the base of the policy and the value model."""
+    """Every model, on rt.device. Trained weights (with LoRA: adapters, value head) fp32 whatever
+    the storage; frozen ones (reference, reward models, LoRA bases) in --dtype's."""
     tokenizer, frozen_dtype = inputs.tokenizer, rt.low_dtype or torch.float32
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args,
                              frozen_dtype if args.lora_r else torch.float32)
@@ -1313,10 +1191,10 @@ def load_models(args, model_path, inputs, rt):
     num_sources = len(reward_models) + len(inputs.reward_fns)
     builtin_reward = [spec for _, spec, _ in inputs.reward_fns] == ["addition_reward"]
     policy.to(rt.device)
-    # log-probs straight from the hidden states where the model allows it; a sharded model's output layer is only
-    # whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
+    # log-probs straight from the hidden states where the model allows it; a sharded model's output
+    # layer is only whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
     policy_head = None if rt.fsdp else output_layer(policy)
-    ref_head = None  # also for a sharded reference: its output layer is whole only inside its own forward
+    ref_head = None  # also for a sharded one
     if ref_policy is policy:  # LoRA: the reference is the policy
         ref_head = policy_head
     elif ref_policy is not None and not (rt.fsdp and args.shard_frozen_models):
@@ -1331,9 +1209,8 @@ def load_models(args, model_path, inputs, rt):
 
 
 def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, base_paths, rt):
-    """The value model (trained, fp32; with LoRA its base frozen in --dtype's precision), where it came from, and its
-    path; none for a value-free --advantage_estimator. It reads the policy's token ids: it starts from the (first)
-    reward model only if that shares the policy's vocabulary."""
+    """The value model (trained, fp32), where it came from, its path; none without GAE. It starts
+    from the (first) reward model if that shares the policy's vocabulary, else from the policy."""
     if args.advantage_estimator != "gae":
         return None, f"no value model (--advantage_estimator {args.advantage_estimator})", None
     value_path = args.value_model_path or (args.reward_model_path[0] if reward_model_shares_vocabulary else model_path)
@@ -1351,74 +1228,32 @@ def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary
     return value_model.to(rt.device), source, value_path
 
 
-def stable_path(args, path, model_path, resized):
-    """path, if it will still hold the model's base weights after the run, else None (a LoRA run then saves them
-    beside its adapter): the built-in task's folder is deleted at exit, a vocabulary grown by a pad token is not the
-    checkpoint's, and an adapter checkpoint was merged into its base here."""
-    builtin = args.model_name_or_path == "builtin" and path == model_path
-    return None if resized or builtin or adapter_base(path) else path
-
-
-def add_lora(model, args, modules_to_save=None):
-    """peft LoRA adapters on the attention and MLP layers: from here on only they (and modules_to_save) train."""
-    peft = import_peft("--lora_r")
-    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                             target_modules=args.lora_target_modules or "all-linear", modules_to_save=modules_to_save)
-    try:
-        model = quietly(peft.get_peft_model, model, config)
-    except ValueError as e:  # target modules not found
-        fail(f"--lora_target_modules {args.lora_target_modules}: {str(e).strip().splitlines()[0]}")
-    for p in model.parameters():  # fp32 master weights: peft copies modules_to_save in the base's dtype
-        if p.requires_grad:
-            p.data = p.data.float()
-    return model
-
-
-def quietly(function, *args, **kwargs):
-    """function(*args, **kwargs) without its warnings: peft's are notices, not the user's to act on (GPT-2's Conv1D
-    layers get transposed adapters; transformers renamed a flag peft reads)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return function(*args, **kwargs)
-
-
-def import_peft(flag):
-    try:
-        import peft
-    except ImportError:
-        fail(f"{flag} needs `pip install peft`")
-    return peft
-
-
 def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
-    """This rank's prompts for update `update` (0-based): the next world_size x batch_size of an endless stream of
-    reshuffled passes over the data, rank r's the r-th slice. Its position in the stream is just the update counter."""
+    """This rank's prompts for update `update`: the next world_size x batch_size of an endless
+    stream of reshuffled passes; rank r's the r-th slice."""
     start = (update * world_size + rank) * batch_size
     passes = range(start // num_prompts, (start + batch_size - 1) // num_prompts + 1)
-    seeds = [seed * 1_000_003 + p for p in passes]  # not seed + p: seed 2's first pass would be seed 1's second
+    seeds = [seed * 1_000_003 + p for p in passes]  # not seed + p: seeds would share passes
     stream = torch.cat([torch.randperm(num_prompts, generator=torch.Generator().manual_seed(s)) for s in seeds])
     offset = start - passes[0] * num_prompts
     return stream[offset : offset + batch_size]
 
 
 def left_pad(sequences, pad_token_id):
-    """Lists of token ids -> ids (B, P) and attention mask (B, P), padded on the left so all prompts end at P."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for i, s in enumerate(sequences):
-        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s) :] = True
+    """Lists of token ids -> ids and attention mask (B, P), padded on the left."""
+    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in sequences], batch_first=True,
+                       padding_value=pad_token_id, padding_side="left")
+    mask = pad_sequence([torch.ones(len(s), dtype=torch.bool) for s in sequences], batch_first=True,
+                        padding_value=False, padding_side="left")
     return ids, mask
 
 
 def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
-    """-> texts, token ids and chat messages (None for plain text) of the prompts, and the other fields of their rows
-    ({name: a value per row, None where a row lacks it}), checked: some, none empty, and each short enough for the
-    policy's context (its max_position_embeddings, if any) with --response_length."""
+    """-> texts, token ids, chat messages (None: plain text) and the rows' other fields ({name: a
+    value per row, None where absent}), checked: some, none empty, each fits the context."""
     rows = read_prompts(dataset, args.dataset_train_split, flag)
     texts, ids, messages = render_prompts([row.get("prompt", row.get("messages")) for row in rows], tokenizer, flag)
-    names = dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED_FIELDS)  # in order, once each
+    names = dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED_FIELDS)  # once each
     fields = {name: [row.get(name) for row in rows] for name in names}
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
@@ -1431,12 +1266,12 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     return SimpleNamespace(texts=texts, ids=ids, messages=messages, fields=fields)
 
 
-NOT_PASSED_FIELDS = ("prompt", "completion", "completion_ids", "messages")  # the row fields TRL passes on are the rest
+NOT_PASSED_FIELDS = ("prompt", "completion", "completion_ids", "messages")  # TRL passes the rest on
 
 
 def read_prompts(dataset, split, flag="dataset"):
-    """-> the dataset's rows, each a dict with a `prompt` (a string) or `messages` (a list of chat messages) and
-    whatever other fields it has (a .txt file's have none)."""
+    """-> the dataset's rows, each a dict with a `prompt` (a string) or `messages` (a list of chat
+    messages) and whatever other fields it has (a .txt file's have none)."""
     if dataset.endswith((".txt", ".jsonl")):
         try:
             with open(dataset, encoding="utf-8") as f:
@@ -1470,8 +1305,8 @@ def read_prompts(dataset, split, flag="dataset"):
 
 
 def render_prompts(rows, tokenizer, flag="dataset"):
-    """Chat messages go through the tokenizer's chat template (a trailing assistant turn is dropped).
-    -> prompt texts, their token ids, and the messages (None for plain text)."""
+    """Chat messages go through the tokenizer's chat template (a trailing assistant turn is
+    dropped). -> prompt texts, their token ids, and the messages (None for plain text)."""
     messages = [None if isinstance(r, str) else r[:-1] if r and r[-1].get("role") == "assistant" else r for r in rows]
     if tokenizer.chat_template is None and any(m is not None for m in messages):
         fail(f"--{flag} has chat `messages` but the policy's tokenizer has no chat template")
@@ -1481,8 +1316,8 @@ def render_prompts(rows, tokenizer, flag="dataset"):
 
 
 def load_reward_fn(spec):
-    """`module:function` (a module from the current folder first, as `python -m` would find it, then the script's and
-    the installed ones) or `file.py:function` (a path) -> the function."""
+    """`module:function` (a module from the current folder first, as `python -m` would find it, then
+    the script's and the installed ones) or `file.py:function` (a path) -> the function."""
     module, _, name = spec.rpartition(":")
     if not module or not name:
         fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
@@ -1499,15 +1334,18 @@ def load_reward_fn(spec):
 
 
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")  # TRL's keywords
-TRL_ONLY_ARGUMENTS = ("log_extra", "log_metric", "environments")  # TRL's trainer passes these; this script does not
+
+
+TRL_ONLY_ARGUMENTS = ("log_extra", "log_metric", "environments")  # this script does not
+
+
 POSITIONAL = "positional"  # (prompts, completions), as reward functions were called before keywords
 
 
 def reward_call(fn, spec, fields):
-    """How to call a reward function, from its signature: with **kwargs, None (every argument by keyword: TRL's and
-    each field of the rows); else the names it asks for; a function that names none of them, with two positional
-    parameters: POSITIONAL. fields: {flag: the field names of its rows}, each checked to fill what the function needs.
-    Anything else is one line."""
+    """How to call a reward function, from its signature: None (**kwargs: everything by keyword),
+    the names it asks for, or POSITIONAL ((prompts, completions), naming none). fields: {flag: the
+    field names of its rows}, checked to fill what it needs; anything else is one line."""
     params = inspect.signature(fn).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     required = {p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
@@ -1536,10 +1374,8 @@ def reward_call(fn, spec, fields):
 
 
 def reward_function_scores(models, prompts, rows, completions, completion_ids, trainer_state):
-    """Each reward function's scores of the completions to prompts[rows] -> (B, F), NaN where a function gave None.
-    By keyword (see reward_call) it gets TRL's arguments: prompts and completions as text, or for a chat row its
-    messages and [{"role": "assistant", "content": text}]; completion_ids, up to the stop id; trainer_state; and
-    each field of the rows. An exception, a wrong count, a NaN, or a row no source scores is one line."""
+    """Each reward function's scores of the completions to prompts[rows] -> (B, F), NaN where it
+    gave None; TRL's arguments and the rows' fields. A failure is one line."""
     chat = [prompts.messages[r] is not None for r in rows]
     given = dict(prompts=[prompts.messages[r] if c else prompts.texts[r] for r, c in zip(rows, chat)],
                  completions=[[{"role": "assistant", "content": t}] if c else t for t, c in zip(completions, chat)],
@@ -1566,7 +1402,7 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
 
 
 def check_scores(scores, n, source):
-    """A reward function's output -> float32 tensor (n,), NaN where it gave None (no score), or one line."""
+    """A reward function's output -> float32 (n,), NaN where it gave None, or one line."""
     try:
         scores = list(scores)
         values = [math.nan if s is None else float(s) for s in scores]
@@ -1580,15 +1416,53 @@ def check_scores(scores, n, source):
     return torch.tensor(values, dtype=torch.float32)
 
 
-ADDITION_WORDS = ["<pad>", "<eos>", "<unk>", "+", "="] + [str(i) for i in range(19)]  # the built-in task's vocabulary
+def trainer_state(updates_done, sizes, args, prompts):
+    """What reward functions get as trainer_state (TRL's fields): updates done and in the run,
+    passes over the prompts."""
+    epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
+    return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
+
+
+def reward_text(reward_tokenizer, prompts, r, completion):
+    """Prompt r + completion as a reward model with its own tokenizer reads it: a chat prompt
+    through its chat template, if it has one."""
+    if prompts.messages[r] is not None and reward_tokenizer.chat_template:
+        turns = prompts.messages[r] + [{"role": "assistant", "content": completion}]
+        return reward_tokenizer.apply_chat_template(turns, tokenize=False)
+    return prompts.texts[r] + completion
+
+
+def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
+    """Scores (B,) of a reward model with its own tokenizer, on the text (reward_text): a decoder's
+    `score` head at the last real token; an encoder pools by itself."""
+    device = next(reward_model.parameters()).device
+    enc = reward_tokenizer([reward_text(reward_tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
+                           padding=True, return_tensors="pt", add_special_tokens=prompts.messages[rows[0]] is None)
+    context = getattr(reward_model.config, "max_position_embeddings", None)
+    if context and enc["input_ids"].shape[1] > context:
+        fail(f"--reward_model_path {reward_model.name_or_path!r}: prompt + response is {enc['input_ids'].shape[1]} of "
+             f"its tokens, more than its context of {context}; lower --response_length")
+    enc = enc.to(device)
+    mask = enc["attention_mask"].bool()
+    if not hasattr(reward_model, "score"):
+        return reward_model(**enc).logits[:, 0].float()
+    last = (mask * torch.arange(mask.shape[1], device=device)).argmax(1, keepdim=True)
+    return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
+
+
+ADDITION_WORDS = ["<pad>", "<eos>", "<unk>", "+", "="] + [str(i) for i in range(19)]  # its vocabulary
+
+
 ADDITION_PARTIAL_CREDIT = 0.5
+
+
 ADDITION_REWARD = "token ids"  # how addition_reward scores, kept in checkpoints (before: the text)
 
 
 def addition_reward(completion_ids, answer, **kwargs):
-    """The built-in task's reward, from the token ids and each row's `answer`: 1 for exactly the sum then EOS, partial
-    credit for the sum then anything else (<pad> and <unk> too), 0 otherwise. The partial credit is what a random
-    policy can learn from: it finds the right number 1 time in 24, and stops right after it once in ~600 tries."""
+    """The built-in task's reward from the token ids and each row's `answer`: 1 for the sum then
+    EOS, partial credit for the sum then anything else (<pad>, <unk> too), 0 otherwise. A random
+    policy finds the right number 1 time in 24, stops after it once in ~600."""
     eos, scores = ADDITION_WORDS.index("<eos>"), []
     for ids, expected in zip(completion_ids, answer):
         right = ids[:1] == [ADDITION_WORDS.index(expected)]
@@ -1597,13 +1471,13 @@ def addition_reward(completion_ids, answer, **kwargs):
 
 
 def builtin_task(args):
-    """-> the paths of the policy, the prompts and the eval prompts (or None). `builtin` ones belong to the built-in
-    task, which each process writes into its own temp folder (deleted at exit; a killed run's at the next start),
-    before the process group exists: under torchrun, transformers' save_pretrained writes on rank 0 only."""
+    """-> paths of the policy, prompts and eval prompts (or None). `builtin` ones are written into a
+    temp folder per process (deleted at exit; a killed run's at the next start) before the process
+    group exists."""
     model_path, dataset = args.model_name_or_path, args.dataset
     eval_dataset = None if args.eval_dataset == "builtin" else args.eval_dataset
     if "builtin" in (model_path, dataset):
-        for old in os.listdir(tempfile.gettempdir()):  # ppo_rlhf_builtin_<pid>_*: remove those of ended processes
+        for old in os.listdir(tempfile.gettempdir()):  # those of ended processes
             pid = old.split("_")[3] if old.startswith("ppo_rlhf_builtin_") and old.count("_") >= 4 else ""
             if pid.isdigit() and not process_alive(int(pid)):
                 shutil.rmtree(os.path.join(tempfile.gettempdir(), old), ignore_errors=True)
@@ -1628,10 +1502,8 @@ def process_alive(pid):
 
 
 def build_addition_task(folder, seed, held_out=True):
-    """The built-in task: 100 prompts `a + b =` (a, b in 0..9), each with its `answer`, and a tiny randomly initialised
-    Llama with a word-level tokenizer, written to `folder` and then loaded like any hub model. held_out: 20 of the sums
-    (the same for every seed) are kept apart for evaluation. -> model folder, prompts file, eval prompts file (or
-    None), both .jsonl."""
+    """The built-in task in `folder`: a tiny random Llama, a word-level tokenizer, the 100 sums `a +
+    b =` with their `answer` (20 held out). -> model, prompts, eval prompts (or None)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -1659,12 +1531,11 @@ def build_addition_task(folder, seed, held_out=True):
     return model_dir, *files
 
 
-# ====== Systems: what lets the loop above run on many devices, with large vocabularies, and survive a stop ============
-# -------------------- distributed: torchrun, DDP, FSDP2, statistics over ranks (systems: a first reading may skip this)
+# ---- distributed: torchrun, DDP, FSDP2, statistics over ranks (systems: a first reading may skip this)
 @dataclass
 class Runtime:
-    """This process: its rank among world_size processes, its device, whether torchrun started it (then a process
-    group exists), whether the trained models are FSDP2-sharded, and the autocast dtype (None: fp32)."""
+    """This process: its rank of world_size, its device, whether torchrun started it, whether the
+    trained models are FSDP2-sharded, and the autocast dtype (None: fp32)."""
     rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
@@ -1679,9 +1550,12 @@ class Runtime:
         return torch.no_grad() if self.fsdp else torch.inference_mode()
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def start_processes(args):
-    """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE: join its process group (nccl on CUDA, gloo on CPU). Without
-    them this is one process and no process group. -> Runtime."""
+    """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE: join its process group (nccl on CUDA, gloo on
+    CPU). Without them this is one process and no process group. -> Runtime."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if "RANK" in os.environ and not dist.is_initialized():
@@ -1712,9 +1586,9 @@ def from_rank_0(obj):
 
 
 def agreed(check, *args):
-    """check(*args) on every rank; if it fails on any, every rank stops: rank 0 prints the first failure's line, the
-    others exit quietly (one line per run, not per rank). Any other exception is such a line too (with where it was
-    raised): no rank waits for one that crashed. No collective may run inside check. -> what it returned."""
+    """check(*args) on every rank; if it fails on any, all stop and rank 0 prints the first
+    failure's line (any exception: one line too, so no rank waits). No collective inside check. ->
+    its result."""
     try:
         result, error = check(*args), None
     except SystemExit as e:
@@ -1733,30 +1607,30 @@ def agreed(check, *args):
 
 
 def one_line(exception):
-    """An exception as one line: its type, the first line of its message, and where it was raised (file:line)."""
+    """An exception as one line: type, the first line of its message, and file:line."""
     where = traceback.extract_tb(exception.__traceback__)[-1]
     message = (str(exception).strip().splitlines() or [""])[0]
     return f"{type(exception).__name__}: {message} ({os.path.basename(where.filename)}:{where.lineno}, in {where.name})"
 
 
 def leave_process_group():
-    """Free FSDP2's modules first (they hold the process group in reference cycles): a group torn down while Python
-    exits can abort the process ("terminate called without an active exception")."""
+    """Free FSDP2's modules first (they hold the group in reference cycles): a group torn down at
+    exit can abort ("terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
 
 
 def global_mean_var(x, mask):
-    """Mean and unbiased variance of the real entries of the global batch: over all ranks under torchrun, so each
-    rank gets what one process holding the concatenated batch would. Two passes (Σx, then Σ(x − μ)²) for accuracy."""
+    """Mean and unbiased variance of the real entries over all ranks: what one process with the
+    whole batch would get. Two passes (Σx, then Σ(x − μ)²)."""
     n, total = all_ranks_sum(torch.stack([mask.sum().to(x.dtype), torch.where(mask, x, 0.0).sum()]))
     mean = total / n
     return mean, all_ranks_sum(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
 
 
 def reduce_over_ranks(averaged, summed, rt):
-    """Metrics of all ranks in one all-reduce: `averaged` ones are averaged, `summed` ones (counts) summed."""
+    """All ranks' metrics in one all-reduce: `averaged` averaged, `summed` (counts) summed."""
     values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device) for v in [*averaged.values(), *summed.values()]]
     reduced = all_ranks_sum(torch.stack(values)).tolist()
     return ({key: value / rt.world_size for key, value in zip(averaged, reduced)},
@@ -1764,16 +1638,16 @@ def reduce_over_ranks(averaged, summed, rt):
 
 
 def wrap_for_training(models, args, rt):
-    """The policy and the value model as one PolicyAndValue module, with gradient checkpointing if asked. Under
-    torchrun, DDP (whole models on every rank, gradients averaged by all-reduce) or FSDP2 (every rank keeps
-    1/world_size of their weights, gradients and optimizer state; with --shard_frozen_models, of the frozen ones)."""
+    """The policy and value model as one PolicyAndValue module (gradient checkpointing if asked);
+    under torchrun DDP (whole models per rank) or FSDP2 (1/world_size of weights, gradients, AdamW;
+    with --shard_frozen_models, of the frozen models too)."""
     for model in [m for m in (models.policy, models.value_model) if m is not None and args.gradient_checkpointing]:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24; the old name is deprecated
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     frozen = [m for m in (models.ref_policy, *[rm for rm, _ in models.reward_models]) if args.shard_frozen_models
-              and m is not None and m is not models.policy]  # with LoRA, the reference is the policy
+              and m is not None and m is not models.policy]  # LoRA: the reference is the policy
     for model in [models.policy, models.value_model] + frozen if rt.fsdp else []:
         if model is not None:
             shard(model, frozen=any(model is m for m in frozen))
@@ -1781,15 +1655,15 @@ def wrap_for_training(models, args, rt):
     if rt.torchrun and not rt.fsdp:
         ddp = torch.nn.parallel.DistributedDataParallel
         no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
-                          else "broadcast_buffers": False}  # buffers are constants: no collective per forward
+                          else "broadcast_buffers": False}  # buffers are constants
         model = ddp(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None, **no_buffer_sync)
     return model
 
 
 def shard(model, frozen=False):
-    """FSDP2: each decoder block is a unit whose weights are gathered only while it runs; the rest is a root unit (a
-    `score` head and its backbone two, as forward() calls them one by one). A root keeps its weights after forward
-    for the backward; a frozen model's roots free them at once (else they would stay whole on every rank)."""
+    """FSDP2: each decoder block a unit gathered only while it runs; the rest a root unit (a `score`
+    head and its backbone two). A frozen model's roots reshard after forward, else they would stay
+    whole."""
     from torch.distributed.fsdp import fully_shard
 
     for module in model.modules():
@@ -1801,8 +1675,8 @@ def shard(model, frozen=False):
 
 @contextmanager
 def gathered(model, enabled):
-    """FSDP2: gather a sharded model's full weights once and keep them across forwards (a decoding loop would
-    otherwise all-gather every block at every token), then free them. Without FSDP: nothing."""
+    """FSDP2: gather a sharded model's weights once for many forwards (decoding would all-gather
+    every block at every token), then free them. Without FSDP: nothing."""
     units = [m for m in model.modules() if hasattr(m, "unshard")] if enabled else []
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -1810,34 +1684,55 @@ def gathered(model, enabled):
     try:
         yield
     finally:
-        for unit in units:  # FSDP2's defaults: blocks reshard after forward, the root keeps its weights
+        for unit in units:  # back to FSDP2's defaults
             unit.reshard()
             unit.set_reshard_after_forward(unit is not model, recurse=False)
 
 
-# -------------------------------------------------- memory-efficient log-probs (systems: a first reading may skip this)
+@contextmanager
+def gradient_sync(model, sync):
+    """Reduce gradients across ranks in this backward only if `sync`: DDP's no_sync(), FSDP2's
+    set_requires_gradient_sync(). A single process: nothing to do."""
+    for unit in (m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")):
+        unit.set_requires_gradient_sync(sync, recurse=False)
+    with nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
+        yield
+
+
+def optimizer_step(optimizer, scaler, params, max_grad_norm):
+    """Unscale (fp16), clip the global gradient norm, step, zero the gradients. -> the norm before
+    clipping, or None (no step) if not finite; under fp16 GradScaler skips such steps (norm inf)."""
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+    if not torch.isfinite(grad_norm) and not scaler.is_enabled():
+        return None
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+# ------------------------------ memory-efficient log-probs (systems: a first reading may skip this)
 def logprobs_chunk_rows(vocab_size):
     """Rows per chunk so that one float32 chunk of logits is about 64 MiB."""
     return max(1, 2**24 // vocab_size)
 
 
 def chunk_logits(x, weight, bias, temperature):
-    """One chunk's z / T in a new float32 tensor: z is x itself, or the output layer z = x·Wᵀ + b applied to hidden
-    states x (N, H). The callers work on it in place, so each chunk costs one (chunk, V) float32 tensor."""
+    """One chunk's z / T in a new float32 tensor: x itself, or z = x·Wᵀ + b from hidden states x (N,
+    H). Callers work on it in place: one (chunk, V) tensor per chunk."""
     z = x.to(torch.float32, copy=True) if weight is None else F.linear(x.to(weight.dtype), weight, bias).float()
     return z.div_(temperature)
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log π(a) = z_a/T − logsumexp(z/T) and the entropy H = logsumexp(z/T) − Σ_v π_v·z_v/T in float32, one chunk of
-    rows at a time. z comes as logits x (N, V), or is computed chunk by chunk from hidden states x (N, H) and the
-    output layer (W, b): then no (N, V) tensor ever exists whole, and backward computes each chunk's z once more.
-    Backward, with g and h the gradients of log π(a) and H:  ∂/∂z = [g·(onehot(a) − π) − h·π·(log π + H)] / T;
-    then ∂x = ∂z·W,  ∂W = Σ_chunks ∂zᵀ·x,  ∂b = Σ_rows ∂z."""
+    """log π(a) = z_a/T − logsumexp(z/T) and H = logsumexp(z/T) − Σ_v π_v·z_v/T in float32, by
+    chunks, from logits (N, V) or hidden states (N, H) and the output layer: no (N, V) tensor."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tokens, temperature):  # x (N, V) or (N, H), weight (V, H) or None, tokens (N,)
-        if weight is not None and torch.is_autocast_enabled(x.device.type):  # the matmul in autocast's dtype
+    def forward(ctx, x, weight, bias, tokens, temperature):  # x (N, V) or (N, H)
+        if weight is not None and torch.is_autocast_enabled(x.device.type):  # autocast's dtype
             dtype = torch.get_autocast_dtype(x.device.type)
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
         n, chunk = x.shape[0], logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
@@ -1850,21 +1745,24 @@ class TokenLogprobs(torch.autograd.Function):
             entropy[s : s + chunk] = lse[s : s + chunk] - (z - lse[s : s + chunk, None]).exp_().mul_(z).sum(-1)
         ctx.save_for_backward(x, weight, bias, tokens, lse, entropy)
         ctx.temperature = temperature
-        ctx.set_materialize_grads(False)  # h is None unless the entropy is in the loss: then no extra work
+        ctx.set_materialize_grads(False)  # h: None without entropy loss
         return logprobs, entropy
 
+    # Backward computes each chunk's z once more. With g and h the gradients of log π(a) and H:
+    #   ∂/∂z = [g·(onehot(a) − π) − h·π·(log π + H)] / T;  ∂x = ∂z·W,  ∂W = Σ_chunks ∂zᵀ·x,  ∂b = Σ_rows ∂z
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         x, weight, bias, tokens, lse, entropy = ctx.saved_tensors
         grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs
         grad_x = torch.empty_like(x)
-        # a frozen output layer (LoRA) gets no gradient: at a 150k vocabulary that is hundreds of MiB and a matmul
+        # a frozen output layer (LoRA) gets no gradient: at a 150k vocabulary that is hundreds of
+        # MiB and a matmul
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[2] else None
         chunk = logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
         for s in range(0, x.shape[0], chunk):
             g, rows = grad_logprobs[s : s + chunk, None], slice(s, s + chunk)
-            logp = chunk_logits(x[rows], weight, bias, ctx.temperature).sub_(lse[rows, None])  # (chunk, V)
+            logp = chunk_logits(x[rows], weight, bias, ctx.temperature).sub_(lse[rows, None])
             if grad_entropy is None:  # in place: one (chunk, V) tensor
                 grad_z = logp.exp_().mul_(-g)
             else:
@@ -1875,7 +1773,7 @@ class TokenLogprobs(torch.autograd.Function):
                 grad_x[rows] = grad_z
                 continue
             grad_x[rows] = grad_z.to(weight.dtype) @ weight
-            if grad_w is not None and weight.dtype == torch.float32:  # in place: no (V, H) temporary per chunk
+            if grad_w is not None and weight.dtype == torch.float32:  # in place
                 grad_w.addmm_(grad_z.T, x[rows].float())
             elif grad_w is not None:
                 grad_w += (grad_z.to(weight.dtype).T @ x[rows].to(weight.dtype)).float()
@@ -1888,10 +1786,8 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling") 
 
 
 def output_layer(model):
-    """The causal LM's output layer if its logits are exactly that nn.Linear applied to the backbone's last hidden
-    state, else None. With it, log-probs are taken from the hidden states chunk by chunk and the (B, R, V) logits are
-    never made. A config key that announces a logit transform rules it out; for one no key announces, a probe with the
-    layer's output scaled 100x (a soft cap near identity on small logits shows on large ones)."""
+    """The output layer if the logits are exactly it on the last hidden state, else None: a config
+    key of a logit transform rules it out, and a probe with its output scaled 100x."""
     head, config = model.get_output_embeddings(), model.config.get_text_config()
     if not isinstance(head, torch.nn.Linear) or any(getattr(config, k, None) not in (None, 1, 1.0)
                                                     for k in LOGIT_TRANSFORMS):
@@ -1907,10 +1803,65 @@ def output_layer(model):
         hook.remove()
 
 
-# --------------------------------------------- checkpoints, resume and signals (systems: a first reading may skip this)
+# ---------------- LoRA (peft): one block a fork can delete (systems: a first reading may skip this)
+def add_lora(model, args, modules_to_save=None):
+    """peft LoRA adapters on attention and MLP layers: only they (and modules_to_save) train."""
+    peft = import_peft("--lora_r")
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                             target_modules=args.lora_target_modules or "all-linear", modules_to_save=modules_to_save)
+    try:
+        model = quietly(peft.get_peft_model, model, config)
+    except ValueError as e:  # target modules not found
+        fail(f"--lora_target_modules {args.lora_target_modules}: {str(e).strip().splitlines()[0]}")
+    for p in model.parameters():  # fp32 master weights
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+def reference_weights(models, args):
+    """Context for a forward of models.ref_policy: with LoRA, the policy with its adapter off."""
+    return models.ref_policy.disable_adapter() if args.lora_r else nullcontext()
+
+
+def stable_path(args, path, model_path, resized):
+    """path, if it still holds the model's base weights after the run, else None (a LoRA run then
+    saves them beside its adapter): not the built-in task's temp folder, a resized vocabulary, a
+    merged adapter."""
+    builtin = args.model_name_or_path == "builtin" and path == model_path
+    return None if resized or builtin or adapter_base(path) else path
+
+
+def quietly(function, *args, **kwargs):
+    """function(*args, **kwargs) without its warnings: peft's are notices, not the user's to act on
+    (GPT-2's Conv1D layers get transposed adapters; transformers renamed a flag peft reads)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return function(*args, **kwargs)
+
+
+def import_peft(flag):
+    try:
+        import peft
+    except ImportError:
+        fail(f"{flag} needs `pip install peft`")
+    return peft
+
+
+# ------------------------- checkpoints, resume and signals (systems: a first reading may skip this)
+# Every field is one of two kinds. Run-only fields change how a run is launched, stored or watched,
+# not what it learns: a resumed run may change them. They change no training number beyond rounding
+# (--distributed and --shard_frozen_models change the order of sums), and --eval_temperature changes
+# the eval/ numbers only. All the others are algorithmic: a checkpoint keeps them, and resuming with
+# another value is refused (a field the checkpoint predates counts as having had its default).
+RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
+                   "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
+                   "dist_timeout_s", "merge_lora", "eval_temperature", "health_window", "save_dtype"}
+
+
 def full_state_dict(model, optimizer=None):
-    """The full (unsharded) state of a plain, DDP or FSDP2 model, on CPU, keyed by parameter name; with an optimizer,
-    its state too. A collective under torchrun: every rank calls it, rank 0 gets the tensors."""
+    """The full (unsharded) state of a plain, DDP or FSDP2 model on CPU (and its optimizer's). A
+    collective: every rank calls it, rank 0 gets the tensors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -1920,10 +1871,8 @@ def full_state_dict(model, optimizer=None):
 
 
 def save_final(model, models, args, output_dir, rt):
-    """The trained policy and value model, whole, as from_pretrained folders in --save_dtype (every rank gathers, rank
-    0 writes). With LoRA: peft adapter folders (fp32) naming their base model (saved beside them when it would not
-    outlive the run), and with --merge_lora policy_merged/, the base with the adapter merged in. -> what was written,
-    with its dtype, for the last line: "policy and value model (fp32)"."""
+    """The trained models as from_pretrained folders in --save_dtype (LoRA: fp32 adapters naming
+    their base; --merge_lora: policy_merged/). -> e.g. "policy and value model (fp32)"."""
     weights, written = full_state_dict(model), {}
     for name, part in (("policy", models.policy), ("value_model", models.value_model)) if rt.rank == 0 else ():
         if part is None:  # a value-free estimator has no value model
@@ -1962,16 +1911,13 @@ def save_final(model, models, args, output_dir, rt):
     return ", ".join(f"{' and '.join(names)} ({d})" for d, names in by_dtype.items())
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def dtype_name(dtype):
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def save_weights(model, folder, state, dtype):
-    """model.save_pretrained(folder) with the floating-point tensors of `state` in dtype, and a config.json that says
-    so (transformers writes the dtype of the model in memory)."""
+    """model.save_pretrained(folder) with the floating-point tensors of `state` in dtype, and a
+    config.json that says so (transformers writes the dtype of the model in memory)."""
     model.save_pretrained(folder, state_dict={k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
     path = os.path.join(folder, "config.json")
     with open(path) as f:
@@ -1983,7 +1929,7 @@ def save_weights(model, folder, state, dtype):
 
 
 def save_folder(path, write):
-    """write(folder) into path.tmp, then swap it in for path: a crash never leaves a half-written folder."""
+    """write(folder) into path.tmp, then swap it in: a crash never leaves a half-written folder."""
     shutil.rmtree(path + ".tmp", ignore_errors=True)
     write(path + ".tmp")
     if os.path.exists(path):
@@ -1993,18 +1939,16 @@ def save_folder(path, write):
 
 
 def list_checkpoints(output_dir):
-    """Complete checkpoint folders in output_dir, oldest first (a .tmp folder is an interrupted write)."""
+    """Complete checkpoint folders in output_dir, oldest first (.tmp: an interrupted write)."""
     return sorted(os.path.join(output_dir, d) for d in os.listdir(output_dir)
                   if d.startswith("checkpoint-") and not d.endswith(".tmp"))
 
 
 def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models):
-    """All the run needs to go on exactly: weights, optimizer, schedule, GradScaler, the update counter (the prompt
-    stream's position and every seed follow from it), the loop's `progress` (see no_progress), the algorithmic
-    flags, the resolved stop ids and which built-in reward it ran with. Rank 0 writes a .tmp folder, flushes and
-    renames it (a checkpoint-N folder is always complete); the newest save_total_limit stay."""
-    weights, optimizer_state = full_state_dict(model, optimizer)  # a collective: every rank takes part
-    if args.lora_r:  # only what trains: the adapters and the value head (the base is the checkpoint it started from)
+    """All a run needs to go on exactly (weights, optimizer, schedule, scaler, update, progress,
+    flags, stop ids, reward kind), via .tmp; the newest save_total_limit stay."""
+    weights, optimizer_state = full_state_dict(model, optimizer)  # a collective
+    if args.lora_r:  # only what trains
         inner = model.module if hasattr(model, "module") else model  # DDP
         trained = {name for name, p in inner.named_parameters() if p.requires_grad}
         weights = {k: v for k, v in weights.items() if k in trained}
@@ -2020,42 +1964,43 @@ def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler
         torch.save(state, os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "state.pt"), "rb") as f:
             os.fsync(f.fileno())
-        shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same update, skipped on resume
+        shutil.rmtree(path, ignore_errors=True)  # a damaged one
         os.replace(tmp, path)
         for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
             shutil.rmtree(old)
     if rt.torchrun:
-        dist.barrier()  # the other ranks wait for the write here, not in the next update's first collective
+        dist.barrier()  # wait for the write here
     return path
 
 
 def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models):
-    """Restore what save_checkpoint wrote, on every rank (weights_only loading: nothing in a checkpoint runs code).
-    -> the update it was written after, and the loop's progress then (see no_progress)."""
+    """Restore what save_checkpoint wrote, on every rank (weights_only: nothing in it runs code). ->
+    the update it was written after, and the loop's progress then."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
-    saved = {**{f.name: f.default for f in fields(Args)}, **state["config"]}  # a newer flag: had its default then
-    for key in ("reward_model_path", "reward_fn"):  # one string in checkpoints of versions with one of each
+    saved = {**{f.name: f.default for f in fields(Args)}, **state["config"]}  # a newer flag: its default
+    for key in ("reward_model_path", "reward_fn"):  # older: one string
         saved[key] = [saved[key]] if isinstance(saved[key], str) else saved[key]
     if isinstance(saved["stop_token_id"], int):  # one id in checkpoints of versions before the list
         saved["stop_token_id"] = [saved["stop_token_id"]]
-    # the stop ids it resolved must be this run's, however the flags name them (they also come from the model)
+    # the stop ids it resolved must be this run's, however the flags name them (they also come from
+    # the model)
     stop_flags = {"stop_token", "stop_token_id"} if "stop_token_ids" in state else set()
     changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS | stop_flags and saved[k] != v]
     if changed:
         fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
-    if stop_flags and state["stop_token_ids"] != models.stop_token_ids:  # e.g. the policy's generation_config changed
+    if stop_flags and state["stop_token_ids"] != models.stop_token_ids:  # generation_config changed
         then = state["stop_token_ids"]
         fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {models.stop_token_ids}: give "
              + (f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"))
     if models.builtin_reward and state.get("addition_reward") != ADDITION_REWARD:
         fail(f"--resume {path!r} ran the built-in task with its earlier reward (on the text: the sum then <pad> scored "
              "as the sum then EOS); start a new run")
-    if state["world_size"] != rt.world_size:  # the global batch, hence the prompt stream, depends on it
+    if state["world_size"] != rt.world_size:  # the prompt stream depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
-    options = StateDictOptions(full_state_dict=True)  # with LoRA only what trains was saved: the rest stays
+    options = StateDictOptions(full_state_dict=True)  # LoRA: only what trains
     set_model_state_dict(model, state["model"], options=options)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -2064,15 +2009,15 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
 
 
 def no_progress(args):
-    """The loop's state at the start besides the weights: the non-finite streak, β (the adaptive KL controller moves
-    it), the running score moments (count, mean, M2) of --score_scaling. A checkpoint missing one had this value."""
+    """The loop's state besides the weights at the start: the non-finite streak, β, the running
+    score moments (count, mean, M2). A checkpoint missing one had this value."""
     return dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0))
 
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
-    """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
-    and drop the lines of later updates from metrics.jsonl and samples.jsonl (no duplicate, no gap). -> (first update
-    to run, the loop's progress: see no_progress)."""
+    """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning,
+    never half-loaded), and drop the lines of later updates from metrics.jsonl and samples.jsonl (no
+    duplicate, no gap). -> (first update to run, the loop's progress: see no_progress)."""
     if not args.resume:
         return 0, no_progress(args)
     metrics_path, auto = os.path.join(output_dir, "metrics.jsonl"), args.resume == "auto"
@@ -2107,13 +2052,36 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
     return start_update, progress
 
 
+def default_output_dir(args):
+    """runs/<exp_name>__<seed>__<unix time>; with --resume auto, the newest such folder of this
+    --exp_name and --seed that holds a checkpoint (if any)."""
+    prefix = f"{args.exp_name}__{args.seed}__"
+    if args.resume == "auto" and os.path.isdir("runs"):
+        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
+                and list_checkpoints(os.path.join("runs", d))]
+        if runs:
+            return os.path.join("runs", max(runs, key=lambda d: int(d[len(prefix):])))
+    return f"runs/{prefix}{int(time.time())}"
+
+
+def count_bad_updates(bad_updates, stop_reason, update, log):
+    """A non-finite loss or gradient skips the update; three in a row stop the run."""
+    if stop_reason not in ("non-finite loss", "non-finite gradient"):
+        return 0
+    log.print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr)
+    if bad_updates + 1 >= 3:
+        fail(f"{bad_updates + 1} updates in a row had a non-finite loss or gradient; lower --learning_rate, "
+             "check the reward scale, or use --dtype fp32")
+    return bad_updates + 1
+
+
 STOP_SIGNALS = []  # (signal, time) appended by request_stop; main() checks it after every update
 
 
 def request_stop(signum, frame):
-    """SIGINT/SIGTERM: finish the current update, save a checkpoint, exit 0. A second signal more than 1 s later exits
-    at once; within 1 s it is the same request delivered twice (Ctrl-C under torchrun reaches a rank from the
-    terminal and again from torchrun)."""
+    """SIGINT/SIGTERM: finish the current update, save a checkpoint, exit 0. A second signal more
+    than 1 s later exits at once; within 1 s it is the same request delivered twice (Ctrl-C under
+    torchrun reaches a rank from the terminal and again from torchrun)."""
     if STOP_SIGNALS and time.monotonic() - STOP_SIGNALS[0][1] > 1.0:
         os._exit(128 + signum)
     if STOP_SIGNALS:
@@ -2124,15 +2092,15 @@ def request_stop(signum, frame):
               flush=True)
 
 
-# --------------------------------------------------------- logging and metrics (systems: a first reading may skip this)
+# ------------------------------------- logging and metrics (systems: a first reading may skip this)
 def json_line(metrics):
-    """One line of strict JSON: a non-finite value (an explained variance of a constant batch) is written as null."""
+    """One line of strict JSON: a non-finite value (0/0 explained variance) is written as null."""
     return json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()},
                       allow_nan=False) + "\n"
 
 
 class Clock:
-    """Seconds per phase of one update: lap(name) closes the phase that ran since the previous lap."""
+    """Seconds per phase of one update: lap(name) closes the phase since the previous lap."""
 
     def __init__(self):
         self.start, self.laps = time.perf_counter(), {}
@@ -2141,9 +2109,21 @@ class Clock:
         self.laps[name] = time.perf_counter() - self.start - sum(self.laps.values())
 
 
+@torch.no_grad()
+def update_stats(stats, mb, new_logprobs, entropy, cliprange, cliprange_high, losses):
+    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`. The share
+    of ratios outside the clip is of [1 − ε, 1 + ε_high], whatever the sign of A."""
+    ratio, mask = (new_logprobs - mb["logprobs"]).exp(), mb["response_mask"]
+    outside = (ratio < 1 - cliprange) | (ratio > 1 + (cliprange_high or cliprange))
+    for key, value in {**losses, "policy/entropy_avg": masked_mean(entropy, mask),
+                       "policy/ratio_outside_clip_avg": masked_mean(outside.float(), mask),
+                       "val/ratio": masked_mean(ratio, mask), "val/ratio_var": masked_var(ratio, mask)}.items():
+        stats[key].append(value.detach().float())
+
+
 def update_metrics(batch, trained, models, args, rt):
-    """One update's metrics under TRL's names: per-sequence sums averaged over the batch, training statistics over
-    every micro-batch of every epoch, both averaged over all ranks. -> those, and the token counts of all ranks."""
+    """One update's metrics under TRL's names: per-sequence sums over the batch, training statistics
+    over every micro-batch, all over all ranks. -> those, and all ranks' token counts."""
     mask, kl, scores, returns = batch["response_mask"], batch["kl"], batch["scores"], batch["returns"]
     beta = batch["reward_kl_coef"]  # β of the KL in the reward (0 with --kl_in loss)
     averaged = {
@@ -2161,21 +2141,21 @@ def update_metrics(batch, trained, models, args, rt):
         averaged["objective/kl"] = kl.sum(1).mean()
     if models.value_model is not None:
         averaged["val/explained_variance"] = explained_variance(global_mean_var(returns - batch["values"], mask)[1],
-                                                                global_mean_var(returns, mask)[1])  # already global
-    if args.num_generations > 1:  # groups whose responses all score alike: a group baseline gives them A = 0
+                                                                global_mean_var(returns, mask)[1])
+    if args.num_generations > 1:  # groups with A = 0
         averaged["objective/frac_reward_zero_std"] = (scores.view(-1, args.num_generations).std(1) == 0).float().mean()
-    if trained.stats:  # π_θ = π_old before the first step: anything but 1 and 0 means training and rollout disagree
+    if trained.stats:  # must be 1 and 0
         averaged["policy/first_ratio"] = trained.stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = trained.stats["policy/approxkl_avg"][0]
     if models.builtin_reward:  # the built-in task: the share of answers that score 1
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
-    num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # (B, S): the reward models first
+    num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # reward models first
     sources = [f"rm{j}" for j in range(num_rms)] + [f"fn{j}" for j in range(len(models.reward_fns))]
     if len(sources) > 1:  # each source's mean raw score, over the rows it scored
         averaged.update({f"objective/raw_scores/{name}": x.nanmean() for name, x in zip(sources, source_scores.T)})
     if num_rms > 1:  # the reward models' disagreement, mean over responses
         averaged["objective/rm_spread"] = reward_model_spread(source_scores, num_rms).mean()
-    summed = {"val/num_eos_tokens": (~batch["truncated"]).sum(), "rollout": mask.sum(),  # responses with a stop id
+    summed = {"val/num_eos_tokens": (~batch["truncated"]).sum(), "rollout": mask.sum(),
               "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
     averaged, summed = reduce_over_ranks(averaged, summed, rt)
     averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
@@ -2183,11 +2163,8 @@ def update_metrics(batch, trained, models, args, rt):
 
 
 def health_hints(window, args, has_stop_token):
-    """Signs of trouble in the metrics of the last updates (window: their dicts, oldest first, at most
-    --health_window). -> {hint: one line naming the flag to change}. Thresholds, all quiet on the default run: most
-    importance ratios of an update outside [1 − ε, 1 + ε_high] (> 50%); the KL to the reference up by > 50% (and by
-    > 0.1 nats) from the window's first half to its second while the mean score did not rise; >= 90% of responses
-    cut off at --response_length in every update of the window (with a stop token)."""
+    """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}: > 50% of
+    ratios out of the clip; KL up 50% (and 0.1) with no better score; >= 90% cut off."""
     hints, last, n = {}, window[-1], len(window)
     outside = last.get("policy/ratio_outside_clip_avg", 0.0)  # absent when no minibatch trained
     if outside > 0.5:
@@ -2214,9 +2191,9 @@ def health_hints(window, args, has_stop_token):
 
 
 class Logger:
-    """Rank 0 prints a start line and a line per update (and sample completions num_sample_generations times), and
-    appends one JSON object per update to metrics.jsonl (and sends it to wandb with --track); health hints (see
-    health_hints) on stderr."""
+    """Rank 0 prints a start line and a line per update (and sample completions
+    num_sample_generations times), and appends one JSON object per update to metrics.jsonl (and
+    sends it to wandb with --track); health hints (see health_hints) on stderr."""
 
     def __init__(self, args, output_dir, sizes, rt, num_prompts, models):
         self.args, self.sizes, self.rt, self.last, self.first_update = args, sizes, rt, None, None
@@ -2242,7 +2219,7 @@ class Logger:
                    f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
                    + (f"; LoRA r {args.lora_r}: {trained:,} of {every:,} parameters train" if args.lora_r else ""))
         self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)
-        self.window, self.hinted = deque(maxlen=args.health_window), {}  # health_hints' window, {hint: update}
+        self.window, self.hinted = deque(maxlen=args.health_window), {}  # {hint: update}
         self.absent = ({"objective/kl"} if models.ref_policy is None else set()) | (
             {"loss/value_avg", "val/explained_variance"} if models.value_model is None else set()) | (
             {"objective/rm_spread"} if len(models.reward_models) < 2 else set())
@@ -2253,7 +2230,7 @@ class Logger:
              ("rm_spread", "objective/rm_spread", ".3f")]
 
     def evaluates(self, update):
-        """Evaluate after update (0-based) num_sample_generations times over the run, and after the last one."""
+        """Evaluate after update (0-based) num_sample_generations times, and after the last."""
         update += 1
         return update == self.sizes.num_updates or bool(self.sample_every) and (update - 1) % self.sample_every == 0
 
@@ -2262,25 +2239,25 @@ class Logger:
             print(*lines, file=file or sys.stdout, flush=True)  # sys.stdout now, not at import
 
     def update(self, update, lr, metrics, token_counts, clock, batch, prompts, rows, samples=()):
-        """One update's metrics with its times and memory into metrics.jsonl; its line, with the time so far and the
-        time left (from this run's updates), and sometimes samples on stdout; the evaluation's samples (rank 0's) into
-        samples.jsonl, a few on stdout (and a wandb Table)."""
+        """One update into metrics.jsonl (with times, memory) and a line on stdout; sometimes
+        samples; the evaluation's samples (rank 0's) into samples.jsonl, a few on stdout (and
+        wandb)."""
         t, num_updates, update, nan = clock.laps, self.sizes.num_updates, update + 1, float("nan")
         self.first_update = update - 1 if self.first_update is None else self.first_update
         elapsed = time.time() - self.start_time
         eta = elapsed / (update - self.first_update) * (num_updates - update)
         peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.rt.device.type == "cuda"
-                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # Linux: KiB
+                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # KiB
         m = self.last = {
             "update": update, "episode": update * self.sizes.batch_size, "lr": lr, **metrics,
             "eps": (update - self.first_update) * self.sizes.batch_size / elapsed,
             "time/update_s": time.perf_counter() - clock.start, "time/generate_s": t["generate"],
             "time/score_s": t["score"], "time/train_s": t["train"],
-            "time/rollout_tokens_per_s": token_counts["rollout"] / t["generate"],  # all ranks' tokens
+            "time/rollout_tokens_per_s": token_counts["rollout"] / t["generate"],
             "time/score_tokens_per_s": token_counts["score"] / t["score"],
             "time/train_tokens_per_s": token_counts["train"] / max(t["train"], 1e-9), "memory/peak_mib": peak_memory}
         if self.rt.rank == 0:
-            with open(self.path, "a") as f:  # one whole line per update, written when the update is done
+            with open(self.path, "a") as f:  # a whole line per update
                 f.write(json_line(m))
             if samples:
                 with open(self.samples_path, "a") as f:
@@ -2298,7 +2275,7 @@ class Logger:
         self.window.append(m)  # stays empty with --health_window 0
         hints = health_hints(list(self.window), self.args, self.has_stop_token) if self.window else {}
         for name, hint in hints.items():
-            if name not in self.hinted or update - self.hinted[name] >= self.args.health_window:  # once per window
+            if name not in self.hinted or update - self.hinted[name] >= self.args.health_window:
                 self.hinted[name] = update
                 self.print(f"hint: update {update}: {hint}", file=sys.stderr)
         if self.sample_every and self.evaluates(update - 1):  # the evaluation's schedule
