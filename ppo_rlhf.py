@@ -80,13 +80,11 @@ class Args:
     num_sample_generations: int = 10
     """print samples and evaluate this many times during training, and after the last update"""
     eval_dataset: Optional[str] = "builtin"
-    """held-out prompts (as --dataset); `builtin`: the built-in task's 20 held-out sums; None:
-    none"""
+    """held-out prompts (as --dataset); `builtin`: the built-in task's 20; None: none"""
     eval_temperature: float = 0.0
     """sampling temperature of the evaluation (0: greedy)"""
     health_window: int = 50
-    """health hints judge the last this many updates, each printed at most once per window (0:
-    none)"""
+    """health hints judge this many last updates, each at most once per window (0: none)"""
     save_every: int = 0
     """write a resumable checkpoint every this many updates (0: only when stopped by a signal)"""
     save_total_limit: int = 2
@@ -134,8 +132,7 @@ class Args:
     length_penalty: float = 0.0
     """λ: score −= λ·(response tokens)"""
     overlong_buffer: int = 0
-    """L of DAPO's overlong penalty over the last L tokens of response_length (shaped_scores); 0:
-    off"""
+    """L of DAPO's overlong penalty on the last L of response_length (shaped_scores); 0: off"""
     overlong_penalty: float = 1.0
     """p, the overlong penalty at response_length"""
     mask_truncated_completions: bool = False
@@ -199,8 +196,7 @@ class Args:
 
     # --- LoRA (needs `pip install peft`)
     lora_r: int = 0
-    """LoRA rank r (0: off): adapters W + (α/r)·B·A train; the reference is the adapter switched
-    off"""
+    """LoRA rank r (0: off): adapters W + (α/r)·B·A train; π_ref: the adapter switched off"""
     lora_alpha: float = 16.0
     """α: the adapter's update is scaled by α/r"""
     lora_target_modules: Optional[list[str]] = None
@@ -210,8 +206,7 @@ class Args:
 
     # --- system
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """autocast dtype; trained weights and AdamW stay fp32 (16 B/param), frozen ones take this
-    dtype"""
+    """autocast dtype; trained weights and AdamW stay fp32 (16 B/param), frozen ones this"""
     save_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     """dtype of the saved policy and value model (auto: the source checkpoint's)"""
     gradient_checkpointing: bool = False
