@@ -249,6 +249,10 @@ def test_help_documents_every_flag():
     out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, check=True).stdout
     for field in P.Args.__dataclass_fields__:
         assert f"--{field.replace('_', '-')}" in out, field
+    import ast  # a help text with a line break is printed broken there, whatever the terminal's width
+    args = next(n for n in ast.parse(open(SCRIPT).read()).body if getattr(n, "name", "") == "Args")
+    helps = [st.value.value for st in args.body if isinstance(st, ast.Expr)]
+    assert len(helps) == len(P.Args.__dataclass_fields__) and not [h for h in helps if "\n" in h]
 
 
 def test_a_renamed_copy_runs_its_own_built_in_task(tmp_path):
