@@ -185,6 +185,12 @@ class Args:
     """scale per-token rewards to unit variance over the batch (mean kept)"""
     target_kl: Optional[float] = None
     """stop the update's epochs once a minibatch's approx KL(π_old‖π_θ) exceeds this"""
+    replay_rounds: int = 0
+    """N: also train on the last N updates' batches, off-policy (0: on-policy); see replay_batch"""
+    replay_correction: Optional[Literal["naive", "decoupled"]] = None
+    """naive: ρ = π_θ/μ (μ: the sampler); decoupled: π_θ/π_prox, weighted min(π_prox/μ, c)"""
+    replay_weight_cap: Optional[float] = None
+    """c of --replay_correction decoupled (unset: 2)"""
 
     # --- optimisation
     learning_rate: float = 1e-3
@@ -391,6 +397,13 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, cliprange_h
     return loss, clipfrac, masked_mean(dual_clipped.to(ratio.dtype), mask), approxkl
 
 
+def decoupled_weights(prox_logprobs, behaviour_logprobs, cap):
+    """Decoupled PPO's token weight min(π_prox/μ, c): from the policy μ that sampled a replayed
+    token to π_prox, the policy at the update's start, around which the clip is (Hilton et al.
+    2021; the cap as AReaL, Fu et al. 2025). (B, T); 1 on fresh tokens, where π_prox = μ."""
+    return (prox_logprobs - behaviour_logprobs).exp().clamp(max=cap)
+
+
 def value_loss(values, old_values, returns, mask, cliprange_value):
     """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the fraction of tokens where the
     clip is active."""
@@ -587,6 +600,9 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
 
 
 # ----------------------------------------------------------------------------------- the PPO update
+TOKEN_KEYS = ("logprobs", "ref_logprobs", "values", "advantages", "returns", "weights")  # (B, R)
+
+
 def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
     """Phase 5: num_ppo_epochs passes over this rank's batch, a step per minibatch. -> stats (per
     micro-batch), stop_reason, optimizer_steps (those taken), train_tokens."""
@@ -604,7 +620,8 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
             micro_batches = mb_rows.split(sizes.micro_batch_size)
             for i, rows in enumerate(micro_batches):
                 L = lengths[rows].max().item()  # pay only for real tokens
-                mb = {k: batch[k][rows, :L] for k in ("logprobs", "ref_logprobs", "values", "advantages", "returns")}
+                mb = {k: batch[k][rows, :L] for k in TOKEN_KEYS if k in batch}
+                mb.update({"age": batch["age"][rows]} if "age" in batch else {})  # replay_batch's
                 mb["response_mask"] = batch["loss_mask"][rows, :L]  # the tokens in the loss
                 # the loss is the whole minibatch's on all ranks: a micro-batch's share of its
                 # tokens (token means) or responses, times world_size (DDP and FSDP average the
@@ -644,15 +661,16 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
             break
     optimizer.zero_grad(set_to_none=True)
     return SimpleNamespace(stats=stats, stop_reason=stop_reason, optimizer_steps=optimizer_steps,
-                           train_tokens=train_tokens)
+                           train_tokens=train_tokens,
+                           steps_per_epoch=len(lengths) // sizes.local_mini_batch_size)
 
 
 def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     """One micro-batch's loss terms: the policy's, aggregated as --loss_agg: L_clip (+ β·KL with
     --kl_in loss, − c_H·entropy with --entropy_coef), and the value loss L_V (a token mean; None
     without a value model). -> those two, and the named statistics of this micro-batch."""
-    mask = mb["response_mask"]
-    agg = lambda x: aggregate(x, mask, args.loss_agg, args.response_length)  # noqa: E731
+    mask, w = mb["response_mask"], mb.get("weights", 1.0)  # w: decoupled_weights (replay)
+    agg = lambda x: aggregate(w * x, mask, args.loss_agg, args.response_length)  # noqa: E731
     pg_tokens, clipfrac, dual_clipfrac, approxkl = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], mask,
                                                                args.cliprange, args.cliprange_high, args.dual_clip)
     pg_loss = agg(pg_tokens)
@@ -744,8 +762,9 @@ def main(args: Args):
                      kl_coef=kl_coef, reward_kl_coef=reward_kl_coef, loss_mask=loss_mask)
 
         # 5. PPO epochs: num_ppo_epochs passes over the batch, one optimizer step per minibatch
+        train_batch = replay_batch(progress, batch, update, models, args, rt)  # + older (replay)
         model.train()
-        trained = ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt)
+        trained = ppo_epochs(model, optimizer, scaler, train_batch, args, sizes, rt)
         lr = lr_scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # no warning if no step was taken
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
@@ -794,11 +813,13 @@ FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradi
                                         "dist_timeout_s", "lora_alpha"]),
                ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
                                           "num_sample_generations", "lora_r", "eval_temperature",
-                                          "overlong_buffer", "health_window"]),
+                                          "overlong_buffer", "health_window",
+                                          "replay_rounds"]),
                "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
                "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
                                                                  "score_clip"]),
                "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
+               ">= 1 (or unset)": (lambda v: v is None or v >= 1, ["replay_weight_cap"]),
                "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
                                                            ["stop_token_id"]),
                "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef",
@@ -846,6 +867,11 @@ def check_args(args):
         fail("--merge_lora and --lora_target_modules need --lora_r > 0")
     if args.overlong_buffer > args.response_length:
         fail(f"--overlong_buffer {args.overlong_buffer} is longer than --response_length {args.response_length}")
+    if bool(args.replay_rounds) != (args.replay_correction is not None):
+        fail("--replay_rounds N > 0 and --replay_correction naive|decoupled go together (how replayed tokens are "
+             "corrected)")
+    if args.replay_weight_cap is not None and args.replay_correction != "decoupled":
+        fail("--replay_weight_cap caps the weights of --replay_correction decoupled, which is not set")
     if args.adaptive_kl_target is not None and args.kl_coef == 0:
         fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
     if args.total_episodes < sizes.batch_size:
@@ -1075,6 +1101,89 @@ def exact_kl(models, batch, args, rt):
                 kl_rows.append(logp.exp_().mul_(ref).sum(-1))
             kl[rows] = kl[rows].masked_scatter(mask[rows], torch.cat(kl_rows))
     return torch.where(mask, kl, 0.0).sum(1)
+
+
+# ------------------------------------------------------ replay: off-policy updates (--replay_rounds)
+# What a batch keeps, fixed when it was sampled: μ = its log π_old (logprobs), log π_ref, the rewards
+# (score and −β·KL, β of then) and the advantages (value-free estimators). Per rank about
+# N·B·(9·P + 27·R) bytes for N batches of B rows of P + R tokens (ids int64, masks bool, 4 float32
+# rows): no logits.
+REPLAY_KEYS = ("query_responses", "attention_mask", "response_mask", "loss_mask", "lengths", "logprobs",
+               "ref_logprobs", "rewards", "advantages")
+
+
+def replay_batch(progress, batch, update, models, args, rt):
+    """The rows this update trains on: the fresh batch and the last N in progress["replay"] (π_prox,
+    V and GAE of now for them), re-padded to one width; the fresh batch joins the buffer."""
+    if not args.replay_rounds:
+        return batch
+    fresh = dict({k: batch[k] for k in REPLAY_KEYS}, update=update,
+                 context_length=batch["context_length"])
+    old, progress["replay"] = progress["replay"], [*progress["replay"], fresh][-args.replay_rounds:]
+    age = lambda b: torch.full_like(b["lengths"], update - b["update"])  # noqa: E731 (in updates)
+    parts = [dict(fresh, values=batch["values"], prox=batch["logprobs"], age=age(fresh))]  # π_prox = μ
+    for b in old:  # π_prox: the policy now, at the start of the update
+        prox, values = prox_and_values(models, b, args, rt)
+        parts.append(dict(b, values=values, prox=prox, age=age(b)))
+    train = repad(parts, models.tokenizer.pad_token_id)
+    mask = train["response_mask"]
+    lam = args.lam if args.advantage_estimator == "gae" else 1.0
+    advantages, train["returns"] = gae(train["rewards"], train["values"], mask, args.gamma, lam)
+    if args.advantage_estimator == "gae":  # with today's V, whitened together over all ranks
+        train["advantages"] = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
+    batch["replay_metrics"] = replay_metrics(train, args, rt)
+    if args.replay_correction == "decoupled":  # clip around π_prox, token weight min(π_prox/μ, c)
+        train["weights"] = decoupled_weights(train["prox"], train["logprobs"], args.replay_weight_cap or 2.0)
+        train["logprobs"] = train["prox"]  # the ratio's denominator
+    return dict(train, kl_coef=batch["kl_coef"])
+
+
+def prox_and_values(models, b, args, rt):
+    """log π(y_t|s_t) and V(s_t) of a stored batch's tokens with the models as they are now (no
+    grad; V 0 without a value model). (B, R) each."""
+    mask, c, chunk = b["response_mask"], b["context_length"], args.local_rollout_forward_batch_size
+    prox, values = torch.zeros_like(b["logprobs"]), torch.zeros_like(b["logprobs"])
+    with rt.no_grad(), rt.autocast():
+        for i in range(0, len(mask), chunk):
+            rows, L = slice(i, i + chunk), b["lengths"][i : i + chunk].max().item()
+            ids, ids_mask = b["query_responses"][rows, : c + L], b["attention_mask"][rows, : c + L]
+            prox[rows, :L] = response_logprobs(models.policy, ids, ids_mask, c, args.temperature,
+                                               models.policy_head)[0]
+            if models.value_model is not None:
+                values[rows, :L] = state_values(models.value_model, ids, ids_mask, c)
+    return prox.masked_fill(~mask, 0.0), values.masked_fill(~mask, 0.0)
+
+
+def repad(parts, pad_token_id):
+    """Batches of other widths as one: prompts left-padded to the widest P, responses right-padded
+    to the widest R (positions come from the mask: no number changes). -> (ΣB, P + R) rows."""
+    P = max(b["context_length"] for b in parts)
+    R = max(b["query_responses"].shape[1] - b["context_length"] for b in parts)
+
+    def padded(b, k):
+        c, r = b["context_length"], b["query_responses"].shape[1] - b["context_length"]
+        if k in ("query_responses", "attention_mask"):  # (B, c + r)
+            return F.pad(b[k], (P - c, R - r), value=pad_token_id if k == "query_responses" else 0)
+        return F.pad(b[k], (0, R - r)) if b[k].dim() == 2 else b[k]  # (B, r) per token; (B,) per row
+    keys = [k for k, v in parts[0].items() if torch.is_tensor(v)]
+    return dict({k: torch.cat([padded(b, k) for b in parts]) for k in keys}, context_length=P)
+
+
+def replay_metrics(train, args, rt):
+    """How stale the rows are: replayed share of tokens, mean age (updates; fresh 0), k3
+    KL(μ‖π_prox) by age, π_prox/μ on replayed tokens (before the cap), all over all ranks."""
+    mask, age = train["response_mask"], train["age"][:, None].expand_as(train["response_mask"])
+    k3 = kl_estimate(train["logprobs"], train["prox"], "k3")  # ρ − 1 − log ρ, ρ = π_prox/μ
+    weight, replayed = (train["prox"] - train["logprobs"]).exp(), mask & (age > 0)
+    sums = [mask.sum(), replayed.sum(), (age * mask).sum(), (weight * replayed).sum()]
+    for a in range(1, args.replay_rounds + 1):
+        sums += [(k3 * (mask & (age == a))).sum(), (mask & (age == a)).sum()]
+    tokens, n, ages, w, *by_age = all_ranks_sum(torch.stack([x.double() for x in sums])).tolist()
+    weight_max = max(all_ranks_objects(torch.where(replayed, weight, -math.inf).max().item()))
+    kl_by_age = {f"replay/kl_age{a + 1}": k / c if c else math.nan
+                 for a, (k, c) in enumerate(zip(by_age[::2], by_age[1::2]))}
+    return {"replay/share": n / tokens, "replay/mean_age": ages / tokens, **kl_by_age,
+            "replay/weight_mean": w / n if n else math.nan, "replay/weight_max": weight_max}
 
 
 # ------------------------------------------------------------------------- models, data and rewards
@@ -1571,6 +1680,14 @@ def all_ranks_sum(x):
     return x
 
 
+def all_ranks_objects(obj):
+    """[every rank's obj] (picklable), on every rank; [obj] in a single process."""
+    objects = [obj] * (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+    if len(objects) > 1:
+        dist.all_gather_object(objects, obj)
+    return objects
+
+
 def from_rank_0(obj):
     """Rank 0's value of a picklable object, on every rank (obj itself in a single process)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -1943,6 +2060,9 @@ def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler
     """All a run needs to go on exactly (weights, optimizer, schedule, scaler, update, progress,
     flags, stop ids, reward kind), via .tmp; the newest save_total_limit stay."""
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective
+    if "replay" in progress:  # every rank's buffer, rank 0 writes them all (a collective)
+        cpu = [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in progress["replay"]]
+        progress = {**progress, "replay": all_ranks_objects(cpu)}
     if args.lora_r:  # only what trains
         inner = model.module if hasattr(model, "module") else model  # DDP
         trained = {name for name, p in inner.named_parameters() if p.requires_grad}
@@ -2000,13 +2120,18 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
-    return state["update"], {key: state.get(key, default) for key, default in no_progress(args).items()}
+    progress = {key: state.get(key, default) for key, default in no_progress(args).items()}
+    if args.replay_rounds:  # this rank's buffer
+        progress["replay"] = [{k: v.to(rt.device, copy=True) if torch.is_tensor(v) else v
+                               for k, v in b.items()} for b in progress["replay"][rt.rank]]
+    return state["update"], progress
 
 
 def no_progress(args):
     """The loop's state besides the weights at the start: the non-finite streak, β, the running
     score moments (count, mean, M2). A checkpoint missing one had this value."""
-    return dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0))
+    replay = {"replay": []} if args.replay_rounds else {}  # --replay_rounds: the last N batches
+    return dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0), **replay)
 
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
@@ -2108,18 +2233,29 @@ class Clock:
 def update_stats(stats, mb, new_logprobs, entropy, cliprange, cliprange_high, losses):
     """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`. The share
     of ratios outside the clip is of [1 − ε, 1 + ε_high], whatever the sign of A."""
-    ratio, mask = (new_logprobs - mb["logprobs"]).exp(), mb["response_mask"]
+    log_ratio, mask = new_logprobs - mb["logprobs"], mb["response_mask"]
+    ratio = log_ratio.exp()
     outside = (ratio < 1 - cliprange) | (ratio > 1 + (cliprange_high or cliprange))
     for key, value in {**losses, "policy/entropy_avg": masked_mean(entropy, mask),
                        "policy/ratio_outside_clip_avg": masked_mean(outside.float(), mask),
                        "val/ratio": masked_mean(ratio, mask), "val/ratio_var": masked_var(ratio, mask)}.items():
         stats[key].append(value.detach().float())
+    if "age" in mb:  # replay: token counts of fresh and replayed tokens apart (replay_stats)
+        A, fresh = mb["advantages"], mask & (mb["age"] == 0)[:, None]
+        clipped = ((A > 0) & (ratio > 1 + (cliprange_high or cliprange))) | ((A < 0) & (ratio < 1 - cliprange))
+        for key, x in {"fresh": fresh, "replayed": mask & ~fresh, "clipped_fresh": clipped & fresh,
+                       "clipped_replayed": clipped & mask & ~fresh, "outside_fresh": outside & fresh,
+                       "ratio_fresh": torch.where(fresh, ratio, 0.0),
+                       "approxkl_fresh": torch.where(fresh, (ratio - 1) - log_ratio, 0.0)}.items():
+            stats[f"replay/{key}"].append(x.sum().float())
 
 
 def update_metrics(batch, trained, models, args, rt):
     """One update's metrics under TRL's names: per-sequence sums over the batch, training statistics
     over every micro-batch, all over all ranks. -> those, and all ranks' token counts."""
     mask, kl, scores, returns = batch["response_mask"], batch["kl"], batch["scores"], batch["returns"]
+    stats = dict(trained.stats)
+    replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
     beta = batch["reward_kl_coef"]  # β of the KL in the reward (0 with --kl_in loss)
     averaged = {
         "objective/entropy": (-batch["logprobs"]).sum(1).mean(),
@@ -2129,8 +2265,8 @@ def update_metrics(batch, trained, models, args, rt):
         "objective/raw_scores": batch["raw_scores"].mean(),
         "val/mean_response_length": batch["lengths"].float().mean(),
         "val/truncated_frac": batch["truncated"].float().mean(),
-        **{key: torch.stack(values).mean() for key, values in trained.stats.items()},
-        "policy/epochs": trained.optimizer_steps / args.num_mini_batches,
+        **{key: torch.stack(values).mean() for key, values in stats.items()},
+        "policy/epochs": trained.optimizer_steps / trained.steps_per_epoch,
     }
     if models.ref_policy is not None:  # --kl_coef 0 loads none
         averaged["objective/kl"] = kl.sum(1).mean()
@@ -2139,9 +2275,9 @@ def update_metrics(batch, trained, models, args, rt):
                                                                 global_mean_var(returns, mask)[1])
     if args.num_generations > 1:  # groups with A = 0
         averaged["objective/frac_reward_zero_std"] = (scores.view(-1, args.num_generations).std(1) == 0).float().mean()
-    if trained.stats:  # must be 1 and 0
-        averaged["policy/first_ratio"] = trained.stats["val/ratio"][0]
-        averaged["policy/first_approxkl"] = trained.stats["policy/approxkl_avg"][0]
+    if stats:  # must be 1 and 0 (fresh tokens: replay_stats)
+        averaged["policy/first_ratio"] = stats["val/ratio"][0]
+        averaged["policy/first_approxkl"] = stats["policy/approxkl_avg"][0]
     if models.builtin_reward:  # the built-in task: the share of answers that score 1
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
     num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # reward models first
@@ -2154,14 +2290,31 @@ def update_metrics(batch, trained, models, args, rt):
               "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
     averaged, summed = reduce_over_ranks(averaged, summed, rt)
     averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
+    if replay_sums:  # --replay_rounds: fresh tokens apart
+        averaged.update(replay_stats(replay_sums, args.gradient_accumulation_steps),
+                        **batch["replay_metrics"])
     return averaged, summed
+
+
+def replay_stats(sums, micro_batches):
+    """Replay's training statistics from update_stats' token counts, over all ranks: clip shares of
+    fresh and replayed tokens; first ratio and approx KL of the first minibatch's fresh ones (NaN:
+    none; replayed ones start at π_prox/μ)."""
+    keys = ("fresh", "replayed", "clipped_fresh", "clipped_replayed", "outside_fresh")
+    first = [sums[f"replay/{k}"][:micro_batches].sum() for k in ("fresh", "ratio_fresh", "approxkl_fresh")]
+    x = all_ranks_sum(torch.stack([sums[f"replay/{k}"].sum() for k in keys] + first).double()).tolist()
+    share = lambda a, b: x[a] / x[b] if x[b] else math.nan  # noqa: E731
+    return {"replay/clipfrac_fresh": share(2, 0), "replay/clipfrac_replayed": share(3, 1),
+            "replay/outside_clip_fresh": share(4, 0), "policy/first_ratio": share(6, 5),
+            "policy/first_approxkl": share(7, 5)}
 
 
 def health_hints(window, args, has_stop_token):
     """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}: > 50% of
     ratios out of the clip; KL up 50% (and 0.1) with no better score; >= 90% cut off."""
     hints, last, n = {}, window[-1], len(window)
-    outside = last.get("policy/ratio_outside_clip_avg", 0.0)  # absent when no minibatch trained
+    # fresh tokens under replay; absent when no minibatch trained
+    outside = last.get("replay/outside_clip_fresh", last.get("policy/ratio_outside_clip_avg", 0.0))
     if outside > 0.5:
         hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε_high] in this "
                           "update: the policy moves too far per update; lower --learning_rate or --num_ppo_epochs (or "
