@@ -2304,7 +2304,8 @@ def torchrun(*args, timeout=300):
 
 
 @needs_gloo
-@pytest.mark.parametrize("mode,replay", [("ddp", ()), ("fsdp", ()), ("fsdp", REPLAY)], ids=["ddp", "fsdp", "fsdp_replay"])
+@pytest.mark.parametrize("mode,replay", [("ddp", ()), ("fsdp", ()), ("fsdp", REPLAY)],
+                         ids=["ddp", "fsdp", "fsdp_replay"])
 def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode, replay):
     """Also with replay: each rank replays its own rows, the checkpoint holds both ranks' buffers."""
     out = str(tmp_path / mode)
@@ -2579,11 +2580,12 @@ def test_the_update_takes_the_beta_of_its_batch(tiny, tmp_path):
     assert not all(torch.equal(v, runs[0.1, 0.1][k]) for k, v in runs[0.5, 0.1].items())
 
 
-@pytest.mark.parametrize("correction", ["naive", "decoupled"])
+@pytest.mark.parametrize("correction", ["naive", "decoupled", "grpo"])
 def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_path, monkeypatch, correction):
     """--replay_rounds 1: each update trains on its fresh rows and the previous update's rows (not older ones), row
     by row as sampled but re-padded, age 1, with μ, log π_ref and rewards as stored; π_prox and V of the models at the
-    update's start; GAE recomputed and whitened over all rows. The first update (nothing to replay) is today's."""
+    update's start; GAE recomputed and whitened over all rows (grpo, naive: the stored advantages). The first update
+    (nothing to replay) is today's."""
     seen = []  # per update: the fresh batch, the buffer's batch and the models' π_prox and V of it, the train batch
     replay_batch = P.replay_batch
 
@@ -2593,18 +2595,19 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
             ids, ids_mask, c = old["query_responses"], old["attention_mask"], old["context_length"]
             with torch.no_grad():
                 prox = P.response_logprobs(models.policy, ids, ids_mask, c, args.temperature)[0]
-                values = P.state_values(models.value_model, ids, ids_mask, c)
+                values = P.state_values(models.value_model, ids, ids_mask, c) if models.value_model else 0 * prox
             pad = ~old["response_mask"]
             old = dict(old, prox=prox.masked_fill(pad, 0), values=values.masked_fill(pad, 0))
         seen.append((dict(batch), old, replay_batch(progress, batch, update, models, args, rt)))
         return seen[-1][2]
 
     monkeypatch.setattr(P, "replay_batch", spy)
-    cap = dict(replay_weight_cap=1.02) if correction == "decoupled" else {}
+    flags = {"decoupled": dict(replay_weight_cap=1.02), "naive": {},
+             "grpo": dict(advantage_estimator="grpo", num_generations=2)}[correction]
     B = 4  # rows per batch: few, so that batches differ in width
-    sizes = dict(per_device_train_batch_size=B, num_mini_batches=1)  # a minibatch of B rows: 2 per update
-    metrics = P.main(run_args(tiny, tmp_path, total_episodes=3 * B, replay_rounds=1, replay_correction=correction,
-                              **sizes, **cap))
+    flags.update(per_device_train_batch_size=B, num_mini_batches=1)  # a minibatch of B rows: 2 per update
+    metrics = P.main(run_args(tiny, tmp_path, total_episodes=3 * B, replay_rounds=1,
+                              replay_correction="decoupled" if correction == "decoupled" else "naive", **flags))
     fresh, _, train = seen[0]  # nothing to replay yet
     for key in ("query_responses", "logprobs", "advantages", "returns", "loss_mask"):
         assert torch.equal(train[key], fresh[key])
@@ -2623,15 +2626,19 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
             assert torch.equal(train["query_responses"][j, P_ : P_ + r], part["query_responses"][i, c:])
             for key in ("response_mask", "loss_mask", "ref_logprobs", "rewards"):
                 assert torch.equal(train[key][j, :r], part[key][i]) and not train[key][j, r:].any()
-        mu = torch.cat([F.pad(b["logprobs"], (0, train["logprobs"].shape[1] - b["logprobs"].shape[1]))
-                        for b in (fresh, old)])
-        values = torch.cat([F.pad(b["values"], (0, mu.shape[1] - b["values"].shape[1])) for b in (fresh, old)])
+        parts = (fresh, old)
+        mu = torch.cat([F.pad(b["logprobs"], (0, train["logprobs"].shape[1] - b["logprobs"].shape[1])) for b in parts])
+        values = torch.cat([F.pad(b["values"], (0, mu.shape[1] - b["values"].shape[1])) for b in parts])
         prox = torch.cat([mu[:B], F.pad(old["prox"], (0, mu.shape[1] - old["prox"].shape[1]))])
         assert torch.allclose(train["values"], values, atol=1e-5)  # V of now, for the replayed rows too
-        assert not torch.allclose(old["values"], seen[u - 1][0]["values"], atol=1e-3)  # V has moved since
         mask = train["response_mask"]
-        advantages, returns = P.gae(train["rewards"], train["values"], mask, 1.0, 0.95)
+        advantages, returns = P.gae(train["rewards"], train["values"], mask, 1.0, 0.95 if correction != "grpo" else 1)
         assert torch.allclose(train["returns"], returns)
+        if correction == "grpo":  # no value model: each row keeps its group baseline's advantages
+            stored = torch.cat([F.pad(b["advantages"], (0, mu.shape[1] - b["advantages"].shape[1])) for b in parts])
+            assert not train["values"].any() and torch.equal(train["advantages"], stored)
+            continue
+        assert not torch.allclose(old["values"], seen[u - 1][0]["values"], atol=1e-3)  # V has moved since
         assert torch.allclose(train["advantages"], P.masked_whiten(advantages, mask, *P.global_mean_var(advantages,
                                                                                                          mask)))
         if correction == "naive":  # the ratio's denominator is μ
@@ -2648,7 +2655,8 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
     k3 = P.kl_estimate(mu, prox, "k3")[replayed].mean()  # KL(μ‖π_prox) of the one-update-old rows
     assert metrics["replay/kl_age1"] == pytest.approx(k3.item(), rel=1e-4) and metrics["replay/mean_age"] > 0.3
     monkeypatch.undo()
-    P.main(run_args(tiny, tmp_path / "today", total_episodes=B, **sizes))  # --replay_rounds 0
+    flags.pop("replay_weight_cap", None)
+    P.main(run_args(tiny, tmp_path / "today", total_episodes=B, **flags))  # --replay_rounds 0
     first, today = read_metrics(tmp_path / "run")[0], read_metrics(tmp_path / "today" / "run")[0]
     first = {k: v for k, v in DETERMINISTIC_KEYS(first).items() if not k.startswith("replay/")}
     assert first == DETERMINISTIC_KEYS(today)
