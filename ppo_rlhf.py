@@ -14,16 +14,16 @@ PPO is on-policy: sample a batch with the current policy and keep each token's l
 passes of small steps over that fresh batch, then throw it away. ρ_t corrects for π_θ drifting from π_old
 inside those epochs, but only for the choice of token, not for the states a drifted policy would visit; the
 clip, the KL penalty to π_ref and target_kl early stopping keep π_θ close enough for that to hold.
-Its relatives (RLOO, GRPO, Dr. GRPO, REINFORCE++, KL as a loss, clip variants) are switches, each a few lines next
-to the formula it changes. Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF),
-Huang et al. 2024 ("The N+ implementation details of RLHF with PPO"); names follow TRL's. Differs from TRL on
-purpose: the score lands on the last real response token (TRL: one past it), every forward gets position_ids,
-sampling is a plain loop over softmax(z / T), and the loss is the token mean over the whole minibatch on all
-devices (TRL: a mean of micro-batch means).
+Its relatives (RLOO, GRPO, Dr. GRPO, REINFORCE++, KL as a loss, clip variants, replay of older batches: off-policy)
+are switches, each a few lines next to the formula it changes. Follows Schulman et al. 2017 (PPO), Ziegler et al.
+2019 and Stiennon et al. 2020 (RLHF), Huang et al. 2024 ("The N+ implementation details of RLHF with PPO"); names
+follow TRL's. Differs from TRL on purpose: the score lands on the last real response token (TRL: one past it),
+every forward gets position_ids, sampling is a plain loop over softmax(z / T), and the loss is the token mean over
+the whole minibatch on all devices (TRL: a mean of micro-batch means).
 
 The first reading path, complete PPO-RLHF: options (Args, derive_sizes) · math (pure) · π and V on padded batches ·
-rollout and scoring · the PPO update · main. Behind it: flag and input checks · the held-out evaluation · models,
-data and rewards · systems: distributed · memory-efficient log-probs · LoRA · checkpoints · logging.
+rollout and scoring · the PPO update · main. Behind it: flag and input checks · the held-out evaluation · replay ·
+models, data and rewards · systems: distributed · memory-efficient log-probs · LoRA · checkpoints · logging.
 """
 import asyncio
 import atexit
@@ -813,8 +813,7 @@ FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradi
                                         "dist_timeout_s", "lora_alpha"]),
                ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
                                           "num_sample_generations", "lora_r", "eval_temperature",
-                                          "overlong_buffer", "health_window",
-                                          "replay_rounds"]),
+                                          "overlong_buffer", "health_window", "replay_rounds"]),
                "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
                "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
                                                                  "score_clip"]),
