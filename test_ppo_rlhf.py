@@ -2339,6 +2339,43 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode, rep
     assert [DETERMINISTIC_KEYS(m) for m in read_metrics(out)] == [DETERMINISTIC_KEYS(m) for m in metrics]
 
 
+@needs_gloo
+def test_a_killed_two_rank_run_with_replay_resumes_bit_identically(tiny, tmp_path):
+    """SIGKILL to torchrun and both ranks mid-run with --replay_rounds 2: --resume auto reloads each rank's buffer and
+    the run ends as one never stopped (metrics and saved weights)."""
+    flags = ["--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1", "--dataset", tiny["prompts"],
+             "--total_episodes", "128", "--per_device_train_batch_size", "8", "--num_ppo_epochs", "2",
+             "--response_length", "6", "--num_sample_generations", "0", "--save_every", "1", *REPLAY]
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    assert torchrun(*flags, "--output_dir", straight).returncode == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
+           "--dist_timeout_s", "60", *flags, "--output_dir", killed]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while not os.path.exists(os.path.join(killed, "checkpoint-000003")) and time.time() < deadline:
+        time.sleep(0.01)
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:  # the launcher and both ranks (own sessions)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if killed.encode() in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass  # gone meanwhile
+    process.wait(timeout=60)
+    time.sleep(1)  # SIGKILL lands asynchronously
+    newest = max(c for c in os.listdir(killed) if re.fullmatch(r"checkpoint-\d+", c))
+    assert 3 <= len(read_metrics(killed)) < 8 and not os.path.exists(os.path.join(killed, "policy"))
+    resumed = torchrun(*flags, "--output_dir", killed, "--resume", "auto")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    assert f"resumed from {os.path.join(killed, newest)} " in resumed.stdout  # nothing ran on after the kill
+    a, b = read_metrics(straight), read_metrics(killed)
+    assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b] and len(a) == 8
+    assert a[-1]["replay/share"] > 0.5  # two batches replayed beside each fresh one
+    wa, wb = final_weights(straight), final_weights(killed)
+    assert all(torch.equal(wa[name][k], wb[name][k]) for name in wa for k in wa[name])
+
+
 def trained_name(key):
     """A key of a saved adapter file -> the name of the parameter that trained (peft's file drops the adapter name)."""
     return re.sub(r"\.(lora_[AB])\.", r".\1.default.", key).replace(".score.", ".score.modules_to_save.default.")
