@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+import tyro
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig,
                           BertForSequenceClassification, GPT2Config, LlamaConfig, PreTrainedTokenizerFast)
@@ -1085,6 +1086,17 @@ def readme_bash_blocks(section):
     text = open(os.path.join(HERE, "README.md")).read()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```bash\n(.*?)```", body, re.S)
+
+
+def test_the_readmes_replay_commands_parse_and_pass_the_flag_checks():
+    """The five commands of the README's replay comparison, as written: tyro parses them and check_args passes."""
+    block = readme_bash_blocks("On-policy or replay?")[0].replace("\\\n", " ")
+    commands = [line.split("#")[0].split("ppo_rlhf.py", 1)[1].split() for line in block.splitlines()
+                if "ppo_rlhf.py" in line]
+    parsed = [tyro.cli(P.Args, args=argv) for argv in commands]
+    assert [(a.replay_rounds, a.replay_correction, a.per_device_train_batch_size) for a in parsed] == [
+        (0, None, 128), (5, "naive", 128), (5, "decoupled", 128), (5, "decoupled", 32), (0, None, 32)]
+    assert all(P.check_args(a).num_updates in (400, 1600) for a in parsed)
 
 
 @pytest.mark.parametrize("block,model", [(0, "gpt2"), (1, "chat")])
