@@ -1706,11 +1706,7 @@ def agreed(check, *args):
         result, error = None, str(e)
     except Exception as e:  # noqa: BLE001 (every rank must learn of it)
         result, error = None, f"error: {one_line(e)}"
-    errors = [error]
-    if dist.is_available() and dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    failed = [e for e in errors if e]
+    failed = [e for e in all_ranks_objects(error) if e]
     if failed:
         leave_process_group()  # every rank is here, none in a collective: leave together
         raise SystemExit(failed[0] if int(os.environ.get("RANK", 0)) == 0 else 1)
