@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 import tyro
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig,
-                          BertForSequenceClassification, GPT2Config, LlamaConfig, PreTrainedTokenizerFast)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          BertConfig, BertForSequenceClassification, GPT2Config, LlamaConfig, PreTrainedTokenizerFast)
 
 import ppo_rlhf as P
 
@@ -258,12 +258,12 @@ def test_help_documents_every_flag():
 
 def test_a_renamed_copy_runs_its_own_built_in_task(tmp_path):
     """The default reward is the running file's own addition_reward, not one imported by the module name: a fork
-    saved as another name, next to an unchanged ppo_rlhf.py, uses its own (here edited to score everything 0.25)."""
+    saved as another name, next to an unchanged ppo_rlhf.py, uses its own (here one that scores everything 0.25,
+    defined last, wherever the original is)."""
     source = open(SCRIPT).read()
-    edited = "        scores.append(0.25)\n    return scores\n"
-    fork = source.replace("        scores.append(1.0 if right and ids[1:] == [eos] else ADDITION_PARTIAL_CREDIT "
-                          "if right else 0.0)\n    return scores\n", edited)
-    assert fork != source
+    own = "def addition_reward(completion_ids, answer, **kwargs):\n    return [0.25] * len(answer)\n\n\n"
+    fork = source.replace('\nif __name__ == "__main__":', "\n" + own + 'if __name__ == "__main__":')
+    assert fork.count(own) == 1
     (tmp_path / "my_ppo.py").write_text(fork)
     (tmp_path / "ppo_rlhf.py").write_text(source)
     out = str(tmp_path / "run")
@@ -929,6 +929,53 @@ def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path, capsys, dtype
     check_run(runs["fp32"], tiny["gpt2"], read_metrics(runs["fp32"]), value_init=tiny["gpt2_rm"])
 
 
+@pytest.fixture(scope="session")
+def llama3(tmp_path_factory):
+    """A checkpoint shaped as Llama 3's on the hub: a 128,256-token vocabulary (tied, a tiny hidden size) in bf16
+    safetensors, a config.json without a dtype field, no pad token, and three stop ids in generation_config.json."""
+    root = tmp_path_factory.mktemp("llama3")
+    specials = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128008: "<|eom_id|>", 128009: "<|eot_id|>"}
+    words = [specials.get(i, f"w{i}") for i in range(128_256)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[128000], eos_token=specials[128001])
+    torch.manual_seed(0)
+    llama = LlamaConfig(vocab_size=len(words), hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001, pad_token_id=None)
+    model = AutoModelForCausalLM.from_config(llama)
+    model.generation_config.eos_token_id = [128001, 128008, 128009]
+    path = save_as_hub(model, root / "policy", tokenizer)
+    with open(os.path.join(path, "config.json")) as f:
+        stored = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({k: v for k, v in stored.items() if k not in ("dtype", "torch_dtype")}, f)
+    return path
+
+
+def test_a_llama_3_checkpoint_ends_at_each_of_its_stop_ids_and_its_bf16_storage_is_read_off_the_weights(llama3,
+                                                                                                      capsys):
+    """Every eos_token_id of the generation config's list is a stop id; a config without a dtype field leaves the
+    storage dtype to the safetensors (BF16), so --save_dtype auto saves bf16 and --dtype fp16 warns of bf16's range."""
+    args = P.Args(model_name_or_path=llama3, dtype="fp16")
+    config = AutoConfig.from_pretrained(llama3)
+    assert getattr(config, "dtype", None) is None and getattr(config, "torch_dtype", None) is None
+    tokenizer = AutoTokenizer.from_pretrained(llama3)
+    assert P.resolve_stop_token_ids(args, tokenizer, llama3, config) == [128001, 128008, 128009]
+    _, _, stored = P.check_configs(args, llama3)
+    assert stored == {llama3: torch.bfloat16}
+    assert "stored in bf16, whose range fp16 lacks" in capsys.readouterr().err
+
+
+def test_save_dtype_auto_writes_each_model_in_its_own_sources_dtype(tiny, tmp_path, capsys):
+    """The policy stored in bf16, its value model started from a reward model stored in fp32: saved as bf16 and fp32."""
+    args = run_args(tiny, tmp_path, reward_model_path=[tiny["gpt2_rm_fp32"]], total_episodes=8, save_dtype="auto")
+    P.main(args)
+    assert capsys.readouterr().out.splitlines()[-1] == f"saved policy (bf16), value model (fp32) to {args.output_dir}"
+    assert saved_dtypes(os.path.join(args.output_dir, "policy")) == ({"BF16"}, "bfloat16")
+    assert saved_dtypes(os.path.join(args.output_dir, "value_model")) == ({"F32"}, "float32")
+
+
 def test_the_reward_model_scores_each_response_at_its_last_real_token(tiny, tmp_path, monkeypatch):
     """What main() scores with a reward model that shares the policy's vocabulary: its score head read at the last
     real token of prompt + response, computed here on each sequence alone, without padding."""
@@ -1081,6 +1128,29 @@ def test_a_none_score_leaves_its_source_out_and_async_functions_run(tiny, tmp_pa
     assert batch["source_scores"][0, 0].isnan() and read_metrics(args.output_dir)[0]["objective/raw_scores/fn0"] == 1
 
 
+def test_a_reward_function_gets_the_columns_it_names_and_a_reward_model_covers_none_from_every_function(tiny):
+    """A function that names a dataset column (no **kwargs) gets that column's values of its rows by keyword; where a
+    reward model scores the rows, None from every function is no error (the reward model's score stands)."""
+    tokenizer = P.ensure_pad_token(AutoTokenizer.from_pretrained(tiny["gpt2"]))
+    prompts = P.load_prompts(tiny["answers"], P.Args(), tokenizer, None)
+    seen = []
+
+    def grade(completions, answer):
+        seen.append(answer)
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    rows, completions = [0, 3, 5], ["w0", "w2", "w5"]  # answers w0, w3, w5
+    fields = {"dataset": list(prompts.fields)}
+    models = SimpleNamespace(reward_fns=[(grade, "grade", P.reward_call(grade, "grade", fields))], reward_models=[])
+    scores = P.reward_function_scores(models, prompts, rows, completions, [[4]] * 3, None)
+    assert seen == [["w0", "w3", "w5"]] and scores[:, 0].tolist() == [1.0, 0.0, 1.0]
+    models = SimpleNamespace(reward_fns=[(none_for_all, "none_for_all", None)], reward_models=[])
+    with pytest.raises(SystemExit, match="None from every function"):
+        P.reward_function_scores(models, prompts, rows, completions, [[4]] * 3, None)
+    models.reward_models = [("a reward model", None)]
+    assert P.reward_function_scores(models, prompts, rows, completions, [[4]] * 3, None).isnan().all()
+
+
 def readme_bash_blocks(section):
     """The ```bash blocks of one `## ` section of README.md."""
     text = open(os.path.join(HERE, "README.md")).read()
@@ -1163,6 +1233,8 @@ def test_the_built_in_reward_reads_the_token_ids():
     partial = P.ADDITION_PARTIAL_CREDIT
     assert 0 < partial < 1
     assert P.addition_reward(completions, ["7"] * 7) == [1.0, partial, partial, partial, 0.0, 0.0, 0.0]
+    longer = [ids("7", "3", "<eos>"), ids("7", "<pad>", "<eos>"), ids("7", "<eos>"), ids("3", "7", "<eos>")]
+    assert P.addition_reward(longer, ["7"] * 4) == [partial, partial, 1.0, 0.0]  # at --response_length 3 or more
 
 
 def test_a_checkpoint_of_the_built_in_task_with_its_earlier_reward_is_refused(tmp_path):
@@ -1982,6 +2054,29 @@ def test_bad_input_on_the_command_line_has_no_traceback(tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith("error: --model_name_or_path")
 
 
+def test_the_context_checks_cover_the_held_out_prompts_and_let_an_exact_fit_through(tiny, tmp_path):
+    """Prompt + --response_length must fit the policy's context (32) and a reward model's (16, its own config), for
+    the held-out prompts as for the training ones; one that fills a context exactly fits."""
+    torch.manual_seed(0)
+    short_rm = AutoModelForSequenceClassification.from_config(config("gpt2", len(WORDS), n_positions=16, num_labels=1))
+    short_rm = save_as_hub(short_rm, tmp_path / "short_rm", word_tokenizer(WORDS))
+
+    def check(eval_words, reward):
+        (tmp_path / "eval.txt").write_text(" ".join(["w1"] * eval_words) + "\n")
+        args = run_args(tiny, tmp_path, eval_dataset=str(tmp_path / "eval.txt"), **reward)
+        P.check_args(args)
+        return P.check_inputs(args, args.model_name_or_path, args.dataset, args.eval_dataset, args.output_dir)
+
+    with_rm = dict(reward_model_path=[short_rm])
+    without_rm = dict(reward_model_path=None, reward_fn=[f"{__file__}:count_w1"])
+    assert len(check(10, with_rm).eval_prompts.ids[0]) == 10  # 10 + 6 = the reward model's 16
+    with pytest.raises(SystemExit, match="--reward_model_path .*context of 16"):
+        check(11, with_rm)
+    assert len(check(26, without_rm).eval_prompts.ids[0]) == 26  # 26 + 6 = the policy's 32
+    with pytest.raises(SystemExit, match="--eval_dataset.*context of 32"):
+        check(27, without_rm)
+
+
 def test_the_default_run_is_quiet_and_learns_the_held_out_sums(tmp_path):
     """The default run, whole: the first lines are the start line (it names the value model's new head) and the first
     update, stderr stays empty (no progress bar, no load report, no health hint: the run is healthy), the training
@@ -2224,6 +2319,17 @@ def test_resume_auto_with_nothing_to_resume_says_so_and_starts(tiny, tmp_path, m
     out = capsys.readouterr().out
     assert re.search(r"--resume auto: no checkpoint in runs/ppo_rlhf__1__\d+, nothing to resume", out)
     assert len(read_metrics(glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*"))[0])) == 1
+
+
+def test_resume_auto_alone_takes_the_newest_run_folder_that_has_a_checkpoint(tmp_path, monkeypatch):
+    """Without --output_dir, --resume auto goes on in the newest runs/<exp_name>__<seed>__<time> with a checkpoint:
+    not a newer one without (a run that died before its first save), nor another seed's or name's."""
+    monkeypatch.chdir(tmp_path)
+    for folder, checkpoint in (("ppo_rlhf__1__100", True), ("ppo_rlhf__1__200", True), ("ppo_rlhf__1__300", False),
+                               ("ppo_rlhf__2__400", True), ("other__1__500", True), ("ppo_rlhf__1__600.old", True)):
+        os.makedirs(f"runs/{folder}/checkpoint-000001" if checkpoint else f"runs/{folder}")
+        (tmp_path / "runs" / folder / "metrics.jsonl").write_text("{}\n")
+    assert P.default_output_dir(P.Args(resume="auto")) == os.path.join("runs", "ppo_rlhf__1__200")
 
 
 def test_only_rank_0_prints_the_stop_notice(monkeypatch, capsys):
@@ -2629,12 +2735,13 @@ def test_the_update_takes_the_beta_of_its_batch(tiny, tmp_path):
     assert not all(torch.equal(v, runs[0.1, 0.1][k]) for k, v in runs[0.5, 0.1].items())
 
 
-@pytest.mark.parametrize("correction", ["naive", "decoupled", "grpo"])
+@pytest.mark.parametrize("correction", ["naive", "decoupled", "grpo", "decoupled_bf16"])
 def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_path, monkeypatch, correction):
     """--replay_rounds 1: each update trains on its fresh rows and the previous update's rows (not older ones), row
     by row as sampled but re-padded, age 1, with μ, log π_ref and rewards as stored; π_prox and V of the models at the
-    update's start; GAE recomputed and whitened over all rows (grpo, naive: the stored advantages). The first update
-    (nothing to replay) is today's."""
+    update's start (under --dtype bf16 in bf16 autocast, at --temperature, as the fresh rows' log π_old); GAE
+    recomputed and whitened over all rows (grpo, naive: the stored advantages). The first update (nothing to replay)
+    is today's."""
     seen = []  # per update: the fresh batch, the buffer's batch and the models' π_prox and V of it, the train batch
     replay_batch = P.replay_batch
 
@@ -2642,7 +2749,7 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
         old = progress["replay"][-1] if progress["replay"] else None
         if old is not None:  # computed here on the rows as they were padded then
             ids, ids_mask, c = old["query_responses"], old["attention_mask"], old["context_length"]
-            with torch.no_grad():
+            with torch.no_grad(), rt.autocast():
                 prox = P.response_logprobs(models.policy, ids, ids_mask, c, args.temperature)[0]
                 values = P.state_values(models.value_model, ids, ids_mask, c) if models.value_model else 0 * prox
             pad = ~old["response_mask"]
@@ -2652,11 +2759,12 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
 
     monkeypatch.setattr(P, "replay_batch", spy)
     flags = {"decoupled": dict(replay_weight_cap=1.02), "naive": {},
-             "grpo": dict(advantage_estimator="grpo", num_generations=2)}[correction]
+             "grpo": dict(advantage_estimator="grpo", num_generations=2),
+             "decoupled_bf16": dict(replay_weight_cap=1.02, dtype="bf16", temperature=0.7)}[correction]
     B = 4  # rows per batch: few, so that batches differ in width
     flags.update(per_device_train_batch_size=B, num_mini_batches=1)  # a minibatch of B rows: 2 per update
     metrics = P.main(run_args(tiny, tmp_path, total_episodes=3 * B, replay_rounds=1,
-                              replay_correction="decoupled" if correction == "decoupled" else "naive", **flags))
+                              replay_correction="naive" if correction in ("naive", "grpo") else "decoupled", **flags))
     fresh, _, train = seen[0]  # nothing to replay yet
     for key in ("query_responses", "logprobs", "advantages", "returns", "loss_mask"):
         assert torch.equal(train[key], fresh[key])
@@ -2709,6 +2817,83 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
     first, today = read_metrics(tmp_path / "run")[0], read_metrics(tmp_path / "today" / "run")[0]
     first = {k: v for k, v in DETERMINISTIC_KEYS(first).items() if not k.startswith("replay/")}
     assert first == DETERMINISTIC_KEYS(today)
+
+
+def stored_batch(gen, update, rows=4, width=5, scale=1.0):
+    """A batch as replay keeps it (3 prompt tokens, ragged responses; the first row full), V and π_prox of now."""
+    lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+    lengths[0] = width
+    mask = torch.arange(width) < lengths[:, None]
+    real = lambda x: x.masked_fill(~mask, 0.0)  # noqa: E731
+    logprobs = real(-torch.rand(rows, width, generator=gen))
+    return dict(query_responses=torch.randint(3, 40, (rows, 3 + width), generator=gen), response_mask=mask,
+                attention_mask=torch.cat([torch.ones(rows, 3, dtype=torch.bool), mask], 1), loss_mask=mask,
+                lengths=lengths, logprobs=logprobs, ref_logprobs=real(logprobs - 0.1), update=update, context_length=3,
+                rewards=real(scale * torch.randn(rows, width, generator=gen)), advantages=torch.zeros(rows, width),
+                values=real(torch.randn(rows, width, generator=gen)),
+                prox=real(logprobs + scale * 0.3 * torch.randn(rows, width, generator=gen)))
+
+
+def replay_worker(rank, port, out_file):
+    init_gloo(rank, port)
+    gen = torch.Generator().manual_seed(rank)
+    scale = 1.0 + 2 * rank  # rank 1's rewards and π_prox/μ spread wider: one rank's statistics are not the batch's
+    old, fresh = stored_batch(gen, 0, scale=scale), stored_batch(gen, 1, scale=scale)
+    P.prox_and_values = lambda models, b, args, rt: (b["prox"], b["values"])  # the models' forwards, stubbed
+    args = P.Args(replay_rounds=1, replay_correction="naive", response_length=5)
+    models = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0))
+    batch = dict(fresh, kl_coef=0.05)
+    train = P.replay_batch({"replay": [old]}, batch, 1, models, args, P.Runtime(rank=rank, world_size=2, torchrun=True))
+    torch.save((train, batch["replay_metrics"]), f"{out_file}.{rank}")
+    P.leave_process_group()
+
+
+@needs_gloo
+def test_replay_whitens_and_reports_over_every_ranks_rows(tmp_path):
+    """2 ranks under --replay_rounds 1: the recomputed GAE advantages of fresh and replayed rows are whitened with
+    the statistics of both ranks' rows; replay/weight_max is the largest π_prox/μ of any rank's replayed tokens and
+    replay/weight_mean their mean over the replayed (real) tokens alone."""
+    spawn_2(replay_worker, str(tmp_path / "out"))
+    (train0, metrics0), (train1, metrics1) = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    assert metrics0 == metrics1
+    train = {k: torch.cat([train0[k], train1[k]]) for k in ("rewards", "values", "response_mask", "advantages",
+                                                          "prox", "logprobs", "age")}
+    mask = train["response_mask"]
+    advantages, _ = P.gae(train["rewards"], train["values"], mask, 1.0, 0.95)
+    whole = P.masked_whiten(advantages, mask, *P.global_mean_var(advantages, mask))
+    assert torch.allclose(train["advantages"], whole, atol=1e-5)
+    alone = P.masked_whiten(advantages[:8], mask[:8], *P.global_mean_var(advantages[:8], mask[:8]))
+    assert (alone - whole[:8]).abs().max() > 1e-2  # the test has teeth: rank 0's own statistics differ
+    replayed = mask & (train["age"] > 0)[:, None]
+    weight = (train["prox"] - train["logprobs"]).exp()
+    assert metrics0["replay/weight_max"] == pytest.approx(weight[replayed].max().item(), rel=1e-6)
+    assert weight[:8][replayed[:8]].max() < 0.9 * weight[replayed].max()  # the largest is rank 1's
+    assert metrics0["replay/weight_mean"] == pytest.approx(weight[replayed].mean().item(), rel=1e-6)
+    assert replayed.sum() < 0.6 * mask.sum()  # over all tokens the mean would differ
+
+
+def test_replays_clip_shares_count_real_tokens_only():
+    """update_stats and replay_stats on two micro-batches with garbage on the padding: the clip shares of fresh and
+    replayed tokens, the outside-the-clip share and the first ratio of fresh tokens, against counts of real ones."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, age = torch.tensor([5, 2, 3, 5, 1, 4]), torch.tensor([0, 1, 0, 1, 1, 2])
+    mask = torch.arange(5) < lengths[:, None]
+    old, A = -torch.rand(6, 5, generator=gen), torch.randn(6, 5, generator=gen)  # not 0 on the padding
+    new = old + 0.4 * torch.randn(6, 5, generator=gen)
+    stats = defaultdict(list)
+    for rows in (slice(0, 3), slice(3, 6)):
+        mb = dict(logprobs=old[rows], advantages=A[rows], response_mask=mask[rows], age=age[rows])
+        P.update_stats(stats, mb, new[rows], torch.zeros(3, 5), 0.2, 0.28, {})
+    shares = P.replay_stats({k: torch.stack(v) for k, v in stats.items() if k.startswith("replay/")}, 2)
+    ratio = (new - old).exp()
+    clipped = ((A > 0) & (ratio > 1.28)) | ((A < 0) & (ratio < 0.8))
+    fresh, replayed = mask & (age == 0)[:, None], mask & (age > 0)[:, None]
+    assert shares["replay/clipfrac_fresh"] == pytest.approx((clipped[fresh].float().mean()).item())
+    assert shares["replay/clipfrac_replayed"] == pytest.approx((clipped[replayed].float().mean()).item())
+    outside = (ratio < 0.8) | (ratio > 1.28)
+    assert shares["replay/outside_clip_fresh"] == pytest.approx(outside[fresh].float().mean().item())
+    assert shares["policy/first_ratio"] == pytest.approx(ratio[fresh].mean().item())
+    assert 0 < clipped[replayed].float().mean() < 1 and (clipped & ~mask).any()  # the test has teeth
 
 
 def test_ppo_epochs_clips_and_weighs_as_its_flags_say(tiny, tmp_path):
@@ -2843,18 +3028,22 @@ def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_bat
             alone = a[key][a["response_mask"]].double()  # the test has teeth: one rank's own statistics differ
             assert abs(alone.var() - 1) > 1e-3 or abs(alone.mean() - both.mean()) > 1e-3
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "policy")
-    models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy"), ref_policy=None,
+    models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy"),
+                             ref_policy=AutoModelForCausalLM.from_pretrained(tiny["gpt2"], dtype=torch.float32),
                              value_model=None, reward_models=[], builtin_reward=False, reward_weights=torch.ones(1),
                              reward_fns=[(num_words, "num_words", P.POSITIONAL)], tokenizer=tokenizer,
-                             stop_token_ids=[5],
-                             policy_head=None, ref_head=None)
+                             stop_token_ids=[5], policy_head=None, ref_head=None)
     args = P.Args(response_length=6)
     state = SimpleNamespace(global_step=2, max_steps=2, epoch=0.4)
     alone, samples = P.evaluate(models, P.load_prompts(tiny["txt"], args, tokenizer, None), 1, args, P.Runtime(),
                                 state)
     assert len(samples) == 3 and len(read_lines(tmp_path / "run" / "samples.jsonl")) == 2  # rank 0's 2 of 3
-    for key in ("eval/score", "eval/response_length"):
+    for key in ("eval/score", "eval/response_length", "eval/kl"):
         assert metrics[-1][key] == pytest.approx(alone[key], abs=1e-6), key
+    (tmp_path / "last.txt").write_text(open(tiny["txt"]).read().split("\n")[-2] + "\n")  # the repeated prompt
+    repeated, _ = P.evaluate(models, P.load_prompts(str(tmp_path / "last.txt"), args, tokenizer, None), 1, args,
+                             P.Runtime(), state)
+    assert repeated["eval/kl"] / 3 > 1e-4  # counted twice, it would move eval/kl by this: the test has teeth
 
 
 @needs_gloo
