@@ -33,6 +33,7 @@ import importlib
 import inspect
 import json
 import math
+import numbers
 import os
 import pickle
 import random
@@ -1505,14 +1506,19 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
 
 
 def check_scores(scores, n, source):
-    """A reward function's output -> float32 (n,), NaN where it gave None, or one line."""
+    """A reward function's output -> float32 (n,), NaN where it gave None, or one line. A score is a
+    numbers.Real (float, int, bool as 1/0, numpy's scalars) or a 0-d tensor; a string is refused."""
     try:
         scores = list(scores)
-        values = [math.nan if s is None else float(s) for s in scores]
-    except (TypeError, ValueError):
+    except TypeError:
         fail(f"{source} must return a list of floats (or None), got {type(scores).__name__}")
-    if len(values) != n:
-        fail(f"{source} returned {len(values)} scores for {n} completions")
+    if len(scores) != n:
+        fail(f"{source} returned {len(scores)} scores for {n} completions")
+    for i, s in enumerate(scores):
+        if not (s is None or isinstance(s, numbers.Real) or torch.is_tensor(s) and s.ndim == 0 and not s.is_complex()):
+            fail(f"{source} returned a {type(s).__name__} ({s!r:.40}) for completion {i}: a score is a real number "
+                 "or None")
+    values = [math.nan if s is None else float(s) for s in scores]
     bad = [i for i, (s, v) in enumerate(zip(scores, values)) if s is not None and not math.isfinite(v)]
     if bad:
         fail(f"{source} returned a non-finite score ({values[bad[0]]}) for completion {bad[0]}")

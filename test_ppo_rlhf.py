@@ -1955,8 +1955,11 @@ RUNTIME_CASES = {  # found only once the models run: still one line, and no metr
                                       "--reward_fn"),
     "a reward function scoring no completion": (dict(reward_model_path=None, reward_fn=[f"{__file__}:none_for_all"]),
                                                 "--reward_fn"),
+    "a reward function returning strings": (dict(reward_model_path=None, reward_fn=[f"{__file__}:string_scores"]),
+                                            "--reward_fn"),
 }
-RUNTIME_MUST_SAY = {"a reward function that raises": "raised ValueError: the grader is down (test_ppo_rlhf.py:",
+RUNTIME_MUST_SAY = {"a reward function returning strings": "returned a str ('1.0') for completion 0: a score is",
+                    "a reward function that raises": "raised ValueError: the grader is down (test_ppo_rlhf.py:",
                     "a reward function scoring no completion": "no source scored completion 0",
                     "a reward function returning NaN": "non-finite score (nan) for completion 0",
                     "a reward function returning the wrong count": "returned 7 scores for 8 completions"}
@@ -2109,6 +2112,22 @@ def test_hub_dataset_without_the_datasets_package(tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(SystemExit, match="pip install datasets"):
         P.main(run_args(tiny, tmp_path, dataset="someone/prompts"))
+
+
+def string_scores(completions, **kwargs):
+    return ["1.0"] * len(completions)
+
+
+def test_reward_function_scores_are_real_numbers_or_none():
+    import numpy as np
+    given = [1.0, 2, True, np.float32(0.5), np.int64(3), torch.tensor(0.25), torch.tensor(4), None]
+    assert P.check_scores(given, 8, "--reward_fn f").tolist()[:7] == [1.0, 2.0, 1.0, 0.5, 3.0, 0.25, 4.0]
+    for bad, named in (("1.0", "a str ('1.0')"), ("correct", "a str ('correct')"), (torch.ones(1), "a Tensor"),
+                       ([1.0], "a list ([1.0])"), (b"1", "a bytes")):
+        with pytest.raises(SystemExit) as exc:
+            P.check_scores([0.0, bad], 2, "--reward_fn f")
+        assert str(exc.value).startswith(f"error: --reward_fn f returned {named}") and "for completion 1: a score" in \
+            str(exc.value)
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints and resume
