@@ -109,7 +109,9 @@ class Args:
     dataset: str = "builtin"
     """prompts: .txt, .jsonl (`prompt` or chat `messages`, other fields), or a hub dataset"""
     dataset_train_split: str = "train"
-    """split of a hub dataset"""
+    """split of a hub --dataset"""
+    dataset_test_split: str = "test"
+    """split of a hub --eval_dataset (a .txt or .jsonl file has none: unused)"""
     trust_remote_code: bool = False
     """allow models and tokenizers that ship their own code"""
 
@@ -879,6 +881,10 @@ def check_args(args):
              "ranks)")
     if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
         fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
+    if (args.eval_dataset == args.dataset and not args.dataset.endswith((".txt", ".jsonl"))  # a hub dataset
+            and args.dataset_test_split == args.dataset_train_split):
+        fail(f"--eval_dataset {args.eval_dataset!r} is --dataset with the same split ({args.dataset_train_split!r}): "
+             "it would evaluate on training prompts; give another --dataset_test_split")
     if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
         fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in reward scores only "
              "the built-in task's sums)")
@@ -900,6 +906,10 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     context = getattr(policy_config, "max_position_embeddings", None)
     prompts = load_prompts(dataset, args, tokenizer, context)
     eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
+    same_file = eval_prompts and os.path.isfile(dataset) and os.path.samefile(dataset, eval_dataset)
+    if same_file and int(os.environ.get("RANK", 0)) == 0:
+        print(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on training prompts",
+              file=sys.stderr)
     reward_tokenizers, reward_fns = check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts,
                                                   stop_token_ids)
     return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fns=reward_fns,
@@ -1355,7 +1365,8 @@ def left_pad(sequences, pad_token_id):
 def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     """-> texts, token ids, chat messages (None: plain text) and the rows' other fields ({name: a
     value per row, None where absent}), checked: some, none empty, each fits the context."""
-    rows = read_prompts(dataset, args.dataset_train_split, flag)
+    split = args.dataset_train_split if flag == "dataset" else args.dataset_test_split
+    rows = read_prompts(dataset, split, flag)
     texts, ids, messages = render_prompts([row.get("prompt", row.get("messages")) for row in rows], tokenizer, flag)
     names = dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED_FIELDS)  # once each
     fields = {name: [row.get(name) for row in rows] for name in names}

@@ -1826,6 +1826,8 @@ def file_case(case, tiny, tmp_path):
         "a causal LM as reward model": (dict(reward_model_path=[tiny["gpt2"]]), "--reward_model_path"),
         "missing prompts": (dict(dataset="/no/such/prompts.txt"), "--dataset"),
         "a prompt too long": (dict(response_length=30), "--response_length"),
+        "a hub eval dataset on the training split": (dict(dataset="someone/prompts", eval_dataset="someone/prompts",
+                                                          dataset_test_split="train"), "--dataset_test_split"),
         "own prompts, no reward": (dict(reward_model_path=None), "--reward_fn"),
         "reward_fn without a colon": (dict(reward_model_path=None, reward_fn=["count_w1"]), "--reward_fn"),
         "missing reward module": (dict(reward_model_path=None, reward_fn=["no_such_module:f"]), "--reward_fn"),
@@ -1895,7 +1897,8 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "a reward function needing a field the held-out rows lack",
               "a reward function asking for TRL's log_metric", "a field named like a reward function's argument",
               "the built-in task without a stop id", "replay without a correction",
-              "a replay correction without replay", "a weight cap without decoupled replay"]
+              "a replay correction without replay", "a weight cap without decoupled replay",
+              "a hub eval dataset on the training split"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
@@ -1911,7 +1914,8 @@ MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, whi
             "a reward function of one parameter": "takes (x): give it (prompts, completions), or keywords",
             "a reward function needing a field the rows lack": "needs 'answer', which the rows of --dataset do not",
             "a reward function asking for TRL's log_metric": "asks for ['log_metric']",
-            "a field named like a reward function's argument": "field named 'prompts'"}
+            "a field named like a reward function's argument": "field named 'prompts'",
+            "a hub eval dataset on the training split": "is --dataset with the same split ('train')"}
 
 
 def test_the_bad_input_table_covers_every_ranged_flag():
@@ -2112,6 +2116,40 @@ def test_hub_dataset_without_the_datasets_package(tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(SystemExit, match="pip install datasets"):
         P.main(run_args(tiny, tmp_path, dataset="someone/prompts"))
+
+
+class HubSplit(list):
+    column_names = ["prompt"]
+
+
+def test_a_hub_eval_dataset_reads_dataset_test_split(tiny, tmp_path, monkeypatch):
+    """--dataset_train_split for --dataset, --dataset_test_split (default test) for --eval_dataset, even of the same
+    hub dataset: datasets.load_dataset is asked for those splits and each set of prompts is its split's."""
+    asked = []
+
+    def load_dataset(path, split):
+        asked.append((path, split))
+        return HubSplit([{"prompt": f"w{i} w{i + 1}", "split": split} for i in range(3 if split == "train" else 2)])
+
+    monkeypatch.setitem(sys.modules, "datasets", SimpleNamespace(load_dataset=load_dataset))
+    for test_split in ("test", "validation"):
+        args = run_args(tiny, tmp_path, dataset="someone/prompts", eval_dataset="someone/prompts",
+                        **({"dataset_test_split": test_split} if test_split != "test" else {}))
+        P.check_args(args)
+        inputs = P.check_inputs(args, tiny["gpt2"], args.dataset, args.eval_dataset, args.output_dir)
+        assert asked[-2:] == [("someone/prompts", "train"), ("someone/prompts", test_split)]
+        assert inputs.prompts.fields["split"] == ["train"] * 3
+        assert inputs.eval_prompts.fields["split"] == [test_split] * 2
+
+
+def test_the_same_local_file_for_training_and_evaluation_gets_a_warning_on_rank_0(tiny, tmp_path, monkeypatch, capsys):
+    args = run_args(tiny, tmp_path, dataset=tiny["txt"], eval_dataset=tiny["txt"])
+    for rank, warned in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        P.check_inputs(args, tiny["gpt2"], args.dataset, args.eval_dataset, args.output_dir)
+        err = capsys.readouterr().err
+        assert err == (f"warning: --eval_dataset {tiny['txt']!r} is the --dataset file: it evaluates on training "
+                       "prompts\n" if warned else "")
 
 
 def string_scores(completions, **kwargs):
