@@ -80,8 +80,8 @@ class Args:
     """wandb project, with --track"""
     num_sample_generations: int = 10
     """print samples and evaluate this many times during training, and after the last update"""
-    eval_dataset: Optional[str] = "builtin"
-    """held-out prompts (as --dataset); `builtin`: the built-in task's 20; None: none"""
+    eval_dataset: Optional[str] = "auto"
+    """held-out prompts (as --dataset); auto: the built-in task's 20 for it, else none (builtin: auto); None: none"""
     eval_temperature: float = 0.0
     """sampling temperature of the evaluation (0: greedy)"""
     health_window: int = 50
@@ -712,7 +712,7 @@ def main(args: Args):
     schedule = lambda u: 1.0 - u / sizes.num_updates if args.anneal_lr else 1.0  # noqa: E731
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 needs scaling
-    log = Logger(args, output_dir, sizes, rt, len(prompts.texts), models)
+    log = Logger(args, output_dir, sizes, rt, inputs, models)
     start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     for update in range(start_update, sizes.num_updates):
@@ -833,6 +833,8 @@ def check_args(args):
     or started. -> the derived sizes (derive_sizes)."""
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
+    if args.eval_dataset == "builtin":  # auto's name before it was auto: one value in checkpoints
+        args.eval_dataset = "auto"
     for allowed, (ok, flags) in FLAG_RANGES.items():
         for flag in flags:  # NaN fails every comparison; inf is refused too
             value = getattr(args, flag)
@@ -1595,7 +1597,7 @@ def builtin_task(args):
     temp folder per process (deleted at exit; a killed run's at the next start) before the process
     group exists."""
     model_path, dataset = args.model_name_or_path, args.dataset
-    eval_dataset = None if args.eval_dataset == "builtin" else args.eval_dataset
+    eval_dataset = None if args.eval_dataset == "auto" else args.eval_dataset
     if "builtin" in (model_path, dataset):
         for old in os.listdir(tempfile.gettempdir()):  # those of ended processes
             pid = old.split("_")[3] if old.startswith("ppo_rlhf_builtin_") and old.count("_") >= 4 else ""
@@ -1603,7 +1605,7 @@ def builtin_task(args):
                 shutil.rmtree(os.path.join(tempfile.gettempdir(), old), ignore_errors=True)
         folder = tempfile.mkdtemp(prefix=f"ppo_rlhf_builtin_{os.getpid()}_")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        held_out = dataset == "builtin" and args.eval_dataset == "builtin"
+        held_out = dataset == "builtin" and args.eval_dataset == "auto"
         builtin_model, builtin_prompts, builtin_eval = build_addition_task(folder, args.seed, held_out)
         model_path = builtin_model if model_path == "builtin" else model_path
         if dataset == "builtin":
@@ -2111,6 +2113,8 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
         saved[key] = [saved[key]] if isinstance(saved[key], str) else saved[key]
     if isinstance(saved["stop_token_id"], int):  # one id in checkpoints of versions before the list
         saved["stop_token_id"] = [saved["stop_token_id"]]
+    if saved["eval_dataset"] == "builtin":  # as check_args normalises it
+        saved["eval_dataset"] = "auto"
     # the stop ids it resolved must be this run's, however the flags name them (they also come from
     # the model)
     stop_flags = {"stop_token", "stop_token_id"} if "stop_token_ids" in state else set()
@@ -2355,7 +2359,7 @@ class Logger:
     num_sample_generations times), and appends one JSON object per update to metrics.jsonl (and
     sends it to wandb with --track); health hints (see health_hints) on stderr."""
 
-    def __init__(self, args, output_dir, sizes, rt, num_prompts, models):
+    def __init__(self, args, output_dir, sizes, rt, inputs, models):
         self.args, self.sizes, self.rt, self.last, self.first_update = args, sizes, rt, None, None
         self.path, n, self.wandb = os.path.join(output_dir, "metrics.jsonl"), args.num_sample_generations, None
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
@@ -2371,11 +2375,15 @@ class Logger:
         every, trained = sum(p.numel() for p in every), sum(p.numel() for p in every if p.requires_grad)
         k = args.num_generations
         what = "prompts" if k == 1 else f"responses to {sizes.batch_size // k} prompts x {k}"
+        evaluated = f"eval {len(inputs.eval_prompts.texts)} prompts" if inputs.eval_prompts else "no eval"
+        if args.eval_dataset == "auto":  # say what auto chose
+            evaluated += " (--eval_dataset auto: " + ("the built-in task's held-out sums)" if inputs.eval_prompts else
+                                                       "none for one's own --dataset)")
         self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
                    f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
-                   f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
-                   f"device {rt.device}, {args.dtype}, stop ids {models.stop_token_ids or 'none'}, output "
-                   f"{output_dir}; {models.value_source}"
+                   f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
+                   f"{len(inputs.prompts.texts)} prompts, {evaluated}, device {rt.device}, {args.dtype}, stop ids "
+                   f"{models.stop_token_ids or 'none'}, output {output_dir}; {models.value_source}"
                    f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
                    + (f"; LoRA r {args.lora_r}: {trained:,} of {every:,} parameters train" if args.lora_r else ""))
         self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)

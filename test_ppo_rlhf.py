@@ -2152,6 +2152,28 @@ def test_the_same_local_file_for_training_and_evaluation_gets_a_warning_on_rank_
                        "prompts\n" if warned else "")
 
 
+def test_eval_dataset_auto_is_the_built_in_held_out_sums_or_none_says_so_and_resumes_a_builtin_checkpoint(
+        tiny, tmp_path, capsys):
+    """The default --eval_dataset auto: the built-in task's 20 held-out sums for it (80 train), none for one's own
+    prompts; the start line says which. A checkpoint written when the default was called `builtin` resumes."""
+    assert P.Args().eval_dataset == "auto"
+    P.main(run_args(tiny, tmp_path / "own", reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
+                    total_episodes=8, num_ppo_epochs=1))
+    assert "40 prompts, no eval (--eval_dataset auto: none for one's own --dataset), " in capsys.readouterr().out
+    args = P.Args(output_dir=str(tmp_path / "builtin"), total_episodes=16, per_device_train_batch_size=8,
+                  num_ppo_epochs=1, num_sample_generations=0, save_every=1)
+    P.main(args)
+    start = capsys.readouterr().out.splitlines()[0]
+    assert "80 prompts, eval 20 prompts (--eval_dataset auto: the built-in task's held-out sums), " in start
+    first = os.path.join(args.output_dir, "checkpoint-000001")
+    state = torch.load(os.path.join(first, "state.pt"), weights_only=True)
+    state["config"]["eval_dataset"] = "builtin"  # as the versions before `auto` wrote it
+    torch.save(state, os.path.join(first, "state.pt"))
+    P.main(dataclasses.replace(args, resume=first))
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
+    assert ["eval/score" in m for m in read_metrics(args.output_dir)] == [False, True]  # after the last update
+
+
 def string_scores(completions, **kwargs):
     return ["1.0"] * len(completions)
 
