@@ -112,6 +112,10 @@ class Args:
     """split of a hub --dataset"""
     dataset_test_split: str = "test"
     """split of a hub --eval_dataset (a .txt or .jsonl file has none: unused)"""
+    max_prompt_length: Optional[int] = None
+    """most tokens of a prompt; default: the policy's context minus --response_length"""
+    overlong_prompts: Literal["error", "filter", "truncate_left"] = "error"
+    """prompts over max_prompt_length: error, filter (leave out), truncate_left (keep the last; chat rows: filter)"""
     trust_remote_code: bool = False
     """allow models and tokenizers that ship their own code"""
 
@@ -821,7 +825,7 @@ FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradi
                "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
                                                                  "score_clip"]),
                "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
-               ">= 1 (or unset)": (lambda v: v is None or v >= 1, ["replay_weight_cap"]),
+               ">= 1 (or unset)": (lambda v: v is None or v >= 1, ["replay_weight_cap", "max_prompt_length"]),
                "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
                                                            ["stop_token_id"]),
                "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef",
@@ -906,6 +910,12 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     policy_config = configs["model_name_or_path"]
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base or model_path, policy_config)
     context = getattr(policy_config, "max_position_embeddings", None)
+    if context and args.response_length >= context:
+        fail(f"--response_length {args.response_length} leaves no room for a prompt in the policy's context of "
+             f"{context}")
+    if context and (args.max_prompt_length or 0) + args.response_length > context:
+        fail(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} exceed the "
+             f"policy's context of {context}")
     prompts = load_prompts(dataset, args, tokenizer, context)
     eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
     same_file = eval_prompts and os.path.isfile(dataset) and os.path.samefile(dataset, eval_dataset)
@@ -1050,7 +1060,7 @@ def check_reward_context(path, config, reward_tokenizer, prompts, args):
                       for r in range(len(prompts.texts)))
     if longest + args.response_length > context:
         fail(f"--reward_model_path {path!r}: a prompt of {longest} tokens and --response_length {args.response_length} "
-             f"exceed its context of {context}; shorten the prompts or --response_length")
+             f"exceed its context of {context}; shorten the prompts (--max_prompt_length) or --response_length")
 
 
 # -------------------------------------------------------------------------- the held-out evaluation
@@ -1365,22 +1375,38 @@ def left_pad(sequences, pad_token_id):
 
 
 def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
-    """-> texts, token ids, chat messages (None: plain text) and the rows' other fields ({name: a
-    value per row, None where absent}), checked: some, none empty, each fits the context."""
+    """-> texts, token ids, chat messages (None: plain text), the rows' other fields ({name: a value per
+    row, None where absent}), and how many over-long prompts were filtered and truncated (--overlong_prompts)."""
     split = args.dataset_train_split if flag == "dataset" else args.dataset_test_split
-    rows = read_prompts(dataset, split, flag)
+    rows, lines = read_prompts(dataset, split, flag)
     texts, ids, messages = render_prompts([row.get("prompt", row.get("messages")) for row in rows], tokenizer, flag)
-    names = dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED_FIELDS)  # once each
-    fields = {name: [row.get(name) for row in rows] for name in names}
+    where = lambda i: f"row {i + 1}" + (f" (line {lines[i]})" if lines else "")  # noqa: E731 (from 1, as files)
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
     if min(len(i) for i in ids) == 0:
-        fail(f"--{flag} {dataset!r}: prompt {[len(i) for i in ids].index(0)} is empty after tokenization")
-    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-    if context and len(ids[longest]) + args.response_length > context:
-        fail(f"--{flag}: prompt {longest} has {len(ids[longest])} tokens, which with --response_length "
-             f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
-    return SimpleNamespace(texts=texts, ids=ids, messages=messages, fields=fields)
+        fail(f"--{flag} {dataset!r}: {where([len(i) for i in ids].index(0))} is empty after tokenization")
+    limit = args.max_prompt_length or (context and context - args.response_length)  # None: no limit
+    over = [i for i in range(len(ids)) if limit and len(ids[i]) > limit]
+    if over and args.overlong_prompts == "error":
+        default = f" (context {context} minus --response_length {args.response_length})"
+        fail(f"--{flag} {dataset!r}: {where(over[0])} has {len(ids[over[0]])} tokens, the first of {len(over)} longer "
+             f"than --max_prompt_length {limit}{'' if args.max_prompt_length else default}; shorten them or pass "
+             "--overlong_prompts filter|truncate_left")
+    truncated = [i for i in over if args.overlong_prompts == "truncate_left" and messages[i] is None]  # chat: filtered
+    for i in truncated:  # the policy reads the last ids; reward models and functions the text of those ids
+        ids[i] = ids[i][-limit:]
+        texts[i] = tokenizer.decode(ids[i])
+    dropped = set(over) - set(truncated)
+    kept = [i for i in range(len(ids)) if i not in dropped]
+    if not kept:
+        fail(f"--{flag} {dataset!r}: all {len(ids)} prompts are longer than --max_prompt_length {limit}, and "
+             f"--overlong_prompts {args.overlong_prompts} leaves none")
+    rows = [rows[i] for i in kept]
+    names = dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED_FIELDS)  # once each
+    return SimpleNamespace(texts=[texts[i] for i in kept], ids=[ids[i] for i in kept],
+                           messages=[messages[i] for i in kept],
+                           fields={name: [row.get(name) for row in rows] for name in names},
+                           filtered=len(dropped), truncated=len(truncated))
 
 
 NOT_PASSED_FIELDS = ("prompt", "completion", "completion_ids", "messages")  # TRL passes the rest on
@@ -1388,24 +1414,24 @@ NOT_PASSED_FIELDS = ("prompt", "completion", "completion_ids", "messages")  # TR
 
 def read_prompts(dataset, split, flag="dataset"):
     """-> the dataset's rows, each a dict with a `prompt` (a string) or `messages` (a list of chat
-    messages) and whatever other fields it has (a .txt file's have none)."""
+    messages) and whatever other fields it has (a .txt file's have none); a file's their line numbers."""
     if dataset.endswith((".txt", ".jsonl")):
         try:
             with open(dataset, encoding="utf-8") as f:
-                lines = [line.rstrip("\n") for line in f if line.strip()]
+                lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip()]  # blank: skipped
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--{flag} {dataset!r} cannot be read: {e}")
         if dataset.endswith(".txt"):
-            return [{"prompt": line} for line in lines]
+            return [{"prompt": line} for _, line in lines], [n for n, _ in lines]
         rows = []
-        for i, line in enumerate(lines):
+        for n, line in lines:
             try:
                 rows.append(json.loads(line))
                 if not isinstance(rows[-1].get("prompt", rows[-1].get("messages")), (str, list)):
                     raise ValueError
             except (ValueError, AttributeError):
-                fail(f"--{flag} {dataset!r} line {i + 1}: expected a JSON object with a `prompt` or `messages` field")
-        return rows
+                fail(f"--{flag} {dataset!r} line {n}: expected a JSON object with a `prompt` or `messages` field")
+        return rows, [n for n, _ in lines]
     if os.path.exists(dataset):
         fail(f"--{flag} {dataset!r}: use a .txt or .jsonl file")
     try:
@@ -1418,7 +1444,7 @@ def read_prompts(dataset, split, flag="dataset"):
         fail(f"--{flag} {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
     if "prompt" not in data.column_names and "messages" not in data.column_names:
         fail(f"--{flag} {dataset!r} has no `prompt` or `messages` column")
-    return list(data)
+    return list(data), None
 
 
 def render_prompts(rows, tokenizer, flag="dataset"):
@@ -2354,6 +2380,12 @@ def health_hints(window, args, has_stop_token):
     return hints
 
 
+def described(prompts):
+    """'N prompts', with how many over-long ones --overlong_prompts filtered or truncated."""
+    cut = [f"{n} over-long {how}" for n, how in ((prompts.filtered, "filtered"), (prompts.truncated, "truncated")) if n]
+    return f"{len(prompts.texts)} prompts" + (f" ({', '.join(cut)})" if cut else "")
+
+
 class Logger:
     """Rank 0 prints a start line and a line per update (and sample completions
     num_sample_generations times), and appends one JSON object per update to metrics.jsonl (and
@@ -2375,14 +2407,14 @@ class Logger:
         every, trained = sum(p.numel() for p in every), sum(p.numel() for p in every if p.requires_grad)
         k = args.num_generations
         what = "prompts" if k == 1 else f"responses to {sizes.batch_size // k} prompts x {k}"
-        evaluated = f"eval {len(inputs.eval_prompts.texts)} prompts" if inputs.eval_prompts else "no eval"
+        evaluated = f"eval {described(inputs.eval_prompts)}" if inputs.eval_prompts else "no eval"
         if args.eval_dataset == "auto":  # say what auto chose
             evaluated += " (--eval_dataset auto: " + ("the built-in task's held-out sums)" if inputs.eval_prompts else
                                                        "none for one's own --dataset)")
         self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
                    f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
                    f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
-                   f"{len(inputs.prompts.texts)} prompts, {evaluated}, device {rt.device}, {args.dtype}, stop ids "
+                   f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, stop ids "
                    f"{models.stop_token_ids or 'none'}, output {output_dir}; {models.value_source}"
                    f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
                    + (f"; LoRA r {args.lora_r}: {trained:,} of {every:,} parameters train" if args.lora_r else ""))

@@ -1779,7 +1779,7 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0, "eval_temperature": -0.5,
                 "score_clip": 0.0, "overlong_buffer": -1, "length_penalty": float("nan"),
                 "overlong_penalty": float("inf"), "health_window": -1, "replay_rounds": -1,
-                "replay_weight_cap": 0.5}
+                "replay_weight_cap": 0.5, "max_prompt_length": 0}
 
 
 def file_case(case, tiny, tmp_path):
@@ -1788,10 +1788,11 @@ def file_case(case, tiny, tmp_path):
     if case == "csv prompts":
         (tmp_path / "prompts.csv").write_text("w1 w2\n")
         return dict(dataset=str(tmp_path / "prompts.csv")), "--dataset"
-    if case in ("bad jsonl", "chat prompts, no chat template", "empty prompts"):
+    if case in ("bad jsonl", "chat prompts, no chat template", "empty prompts", "bad jsonl after a blank line"):
         chat = '{"messages": [{"role": "user", "content": "w1"}]}\n'
         jsonl.write_text({"bad jsonl": '{"prompt": "w1"}\n{"text": "w2"}\n', "empty prompts": "\n  \n",
-                          "chat prompts, no chat template": chat}[case])
+                          "chat prompts, no chat template": chat,
+                          "bad jsonl after a blank line": '{"prompt": "w1"}\n\n{"text": "w2"}\n'}[case])
         return dict(dataset=str(jsonl)), "--dataset"
     if case == "reward model with 2 labels":
         config("gpt2", len(WORDS), num_labels=2, architectures=["GPT2ForSequenceClassification"]).save_pretrained(
@@ -1826,6 +1827,8 @@ def file_case(case, tiny, tmp_path):
         "a causal LM as reward model": (dict(reward_model_path=[tiny["gpt2"]]), "--reward_model_path"),
         "missing prompts": (dict(dataset="/no/such/prompts.txt"), "--dataset"),
         "a prompt too long": (dict(response_length=30), "--response_length"),
+        "a response as long as the context": (dict(response_length=32), "--response_length"),
+        "a prompt length and response past the context": (dict(max_prompt_length=27), "--max_prompt_length"),
         "a hub eval dataset on the training split": (dict(dataset="someone/prompts", eval_dataset="someone/prompts",
                                                           dataset_test_split="train"), "--dataset_test_split"),
         "own prompts, no reward": (dict(reward_model_path=None), "--reward_fn"),
@@ -1898,7 +1901,8 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "a reward function asking for TRL's log_metric", "a field named like a reward function's argument",
               "the built-in task without a stop id", "replay without a correction",
               "a replay correction without replay", "a weight cap without decoupled replay",
-              "a hub eval dataset on the training split"]
+              "bad jsonl after a blank line", "a response as long as the context",
+              "a prompt length and response past the context", "a hub eval dataset on the training split"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
@@ -1915,6 +1919,11 @@ MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, whi
             "a reward function needing a field the rows lack": "needs 'answer', which the rows of --dataset do not",
             "a reward function asking for TRL's log_metric": "asks for ['log_metric']",
             "a field named like a reward function's argument": "field named 'prompts'",
+            "bad jsonl after a blank line": "line 3: expected a JSON object",
+            "a prompt too long": "longer than --max_prompt_length 2 (context 32 minus --response_length 30)",
+            "a response as long as the context": "--response_length 32 leaves no room for a prompt in the policy's "
+                                                 "context of 32",
+            "a prompt length and response past the context": "27 + --response_length 6 exceed the policy's context",
             "a hub eval dataset on the training split": "is --dataset with the same split ('train')"}
 
 
@@ -2172,6 +2181,73 @@ def test_eval_dataset_auto_is_the_built_in_held_out_sums_or_none_says_so_and_res
     P.main(dataclasses.replace(args, resume=first))
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
     assert ["eval/score" in m for m in read_metrics(args.output_dir)] == [False, True]  # after the last update
+
+
+def test_over_long_prompts_are_an_error_naming_their_row_and_line_counted_from_1(tiny, tmp_path):
+    """Blank lines are skipped, so the row (of the prompts) and the line (of the file) differ; both count from 1."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("w1 w2\n\n\nw3 w4 w5 w6\nw7\n\nw1 w2 w3 w4 w5\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
+    with pytest.raises(SystemExit) as exc:
+        P.load_prompts(str(path), run_args(tiny, tmp_path, max_prompt_length=3), tokenizer, 32)
+    assert str(exc.value) == (f"error: --dataset {str(path)!r}: row 2 (line 4) has 4 tokens, the first of 2 longer "
+                              "than --max_prompt_length 3; shorten them or pass --overlong_prompts "
+                              "filter|truncate_left")
+    with pytest.raises(SystemExit, match=r"row 2 \(line 4\) has 4 tokens, the first of 2 longer than "
+                                         r"--max_prompt_length 3 \(context 9 minus --response_length 6\)"):
+        P.load_prompts(str(path), run_args(tiny, tmp_path), tokenizer, 9)  # the default: the context's room
+
+
+@pytest.mark.parametrize("mode", ["filter", "truncate_left"])
+def test_over_long_prompts_are_filtered_or_truncated_for_every_reader(tiny, tmp_path, monkeypatch, capsys, mode):
+    """--max_prompt_length 4: filter leaves the longer rows out (with their fields), truncate_left keeps their last 4
+    token ids; the policy's queries and the reward function's prompts are the kept rows' tokens and their text, the
+    start line counts them."""
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "log"))
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:answer_matches"],
+                    dataset=tiny["answers"], max_prompt_length=4, overlong_prompts=mode, total_episodes=16)
+    P.main(args)
+    rows = read_lines(tiny["answers"])
+    over = [r for r in rows if len(r["prompt"].split()) > 4]
+    assert 0 < len(over) < len(rows)
+    counted = f"{len(rows) - len(over)} prompts ({len(over)} over-long filtered)" if mode == "filter" else \
+        f"{len(rows)} prompts ({len(over)} over-long truncated)"
+    assert f"), {counted}, no eval " in capsys.readouterr().out.splitlines()[0]
+    kept = defaultdict(list)  # {prompt as trained on: the fields of its rows} (two rows have the same prompt)
+    for r in rows if mode == "truncate_left" else [r for r in rows if r not in over]:
+        kept[" ".join(r["prompt"].split()[-4:])].append((r["answer"], r.get("note")))
+    tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
+    logged = read_lines(tmp_path / "log.0")
+    for call, (batch, *_) in zip(logged, calls):
+        assert all(f in kept[p] for f, p in zip(zip(call["answer"], call["fields"]["note"]), call["prompts"]))
+        queries = batch["query_responses"][:, :batch["context_length"]]
+        mask = batch["attention_mask"][:, :batch["context_length"]]
+        assert [tokenizer.decode(q[m]) for q, m in zip(queries, mask)] == call["prompts"]  # the policy reads the same
+    assert len(logged) == len(calls) == 2 and max(len(p.split()) for c in logged for p in c["prompts"]) <= 4
+    if mode == "truncate_left":  # some truncated ones were trained on
+        assert {p for c in logged for p in c["prompts"]} & {" ".join(r["prompt"].split()[-4:]) for r in over}
+
+
+def test_truncate_left_keeps_the_last_ids_filters_chat_rows_and_reward_models_check_the_truncated_text(tiny, tmp_path):
+    chat_tokenizer = P.ensure_pad_token(AutoTokenizer.from_pretrained(tiny["chat"]))
+    path = tmp_path / "mixed.jsonl"
+    plain, short = "w1 w2 w3 w4 w5 w6 w7 w8", {"messages": [{"role": "user", "content": "w1"}]}
+    rows = [{"prompt": plain}, {"messages": [{"role": "user", "content": plain}]}, short]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = run_args(tiny, tmp_path, max_prompt_length=6, overlong_prompts="truncate_left")
+    prompts = P.load_prompts(str(path), args, chat_tokenizer, 32)
+    assert prompts.ids[0] == chat_tokenizer(plain)["input_ids"][-6:] and prompts.texts[0] == "w3 w4 w5 w6 w7 w8"
+    assert prompts.messages == [None, short["messages"]] and (prompts.filtered, prompts.truncated) == (1, 1)
+    overrides, _ = file_case("a reward model with its own tokenizer and a shorter context", tiny, tmp_path)
+    args = run_args(tiny, tmp_path, **overrides)
+    with pytest.raises(SystemExit, match="exceed its context of 8"):  # prompts of up to 6 words, 6 response tokens
+        P.check_inputs(args, tiny["gpt2"], args.dataset, None, args.output_dir)
+    args = dataclasses.replace(args, max_prompt_length=2, overlong_prompts="truncate_left")  # 2 + 6 fit its 8
+    P.check_inputs(args, tiny["gpt2"], args.dataset, None, args.output_dir)
+    with pytest.raises(SystemExit, match="all 3 prompts are longer than --max_prompt_length 1, and --overlong_prompts "
+                                         "filter leaves none"):
+        P.load_prompts(str(path), P.Args(max_prompt_length=1, overlong_prompts="filter"), chat_tokenizer, 32)
 
 
 def string_scores(completions, **kwargs):
