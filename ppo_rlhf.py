@@ -33,6 +33,7 @@ import importlib
 import inspect
 import json
 import math
+import numbers
 import os
 import pickle
 import random
@@ -79,8 +80,8 @@ class Args:
     """wandb project, with --track"""
     num_sample_generations: int = 10
     """print samples and evaluate this many times during training, and after the last update"""
-    eval_dataset: Optional[str] = "builtin"
-    """held-out prompts (as --dataset); `builtin`: the built-in task's 20; None: none"""
+    eval_dataset: Optional[str] = "auto"
+    """held-out prompts (as --dataset); auto: the built-in task's 20 for it, else none (builtin: auto); None: none"""
     eval_temperature: float = 0.0
     """sampling temperature of the evaluation (0: greedy)"""
     health_window: int = 50
@@ -108,7 +109,13 @@ class Args:
     dataset: str = "builtin"
     """prompts: .txt, .jsonl (`prompt` or chat `messages`, other fields), or a hub dataset"""
     dataset_train_split: str = "train"
-    """split of a hub dataset"""
+    """split of a hub --dataset"""
+    dataset_test_split: str = "test"
+    """split of a hub --eval_dataset (a .txt or .jsonl file has none: unused)"""
+    max_prompt_length: Optional[int] = None
+    """most tokens of a prompt; default: the policy's context minus --response_length"""
+    overlong_prompts: Literal["error", "filter", "truncate_left"] = "error"
+    """prompts over max_prompt_length: error, filter (leave out), truncate_left (keep the last; chat rows: filter)"""
     trust_remote_code: bool = False
     """allow models and tokenizers that ship their own code"""
 
@@ -709,7 +716,7 @@ def main(args: Args):
     schedule = lambda u: 1.0 - u / sizes.num_updates if args.anneal_lr else 1.0  # noqa: E731
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 needs scaling
-    log = Logger(args, output_dir, sizes, rt, len(prompts.texts), models)
+    log = Logger(args, output_dir, sizes, rt, inputs, models)
     start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     for update in range(start_update, sizes.num_updates):
@@ -818,7 +825,7 @@ FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradi
                "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
                                                                  "score_clip"]),
                "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
-               ">= 1 (or unset)": (lambda v: v is None or v >= 1, ["replay_weight_cap"]),
+               ">= 1 (or unset)": (lambda v: v is None or v >= 1, ["replay_weight_cap", "max_prompt_length"]),
                "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
                                                            ["stop_token_id"]),
                "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef",
@@ -830,6 +837,8 @@ def check_args(args):
     or started. -> the derived sizes (derive_sizes)."""
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
+    if args.eval_dataset == "builtin":  # auto's name before it was auto: one value in checkpoints
+        args.eval_dataset = "auto"
     for allowed, (ok, flags) in FLAG_RANGES.items():
         for flag in flags:  # NaN fails every comparison; inf is refused too
             value = getattr(args, flag)
@@ -878,6 +887,10 @@ def check_args(args):
              "ranks)")
     if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
         fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
+    if (args.eval_dataset == args.dataset and not args.dataset.endswith((".txt", ".jsonl"))  # a hub dataset
+            and args.dataset_test_split == args.dataset_train_split):
+        fail(f"--eval_dataset {args.eval_dataset!r} is --dataset with the same split ({args.dataset_train_split!r}): "
+             "it would evaluate on training prompts; give another --dataset_test_split")
     if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
         fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in reward scores only "
              "the built-in task's sums)")
@@ -897,8 +910,18 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     policy_config = configs["model_name_or_path"]
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base or model_path, policy_config)
     context = getattr(policy_config, "max_position_embeddings", None)
+    if context and args.response_length >= context:
+        fail(f"--response_length {args.response_length} leaves no room for a prompt in the policy's context of "
+             f"{context}")
+    if context and (args.max_prompt_length or 0) + args.response_length > context:
+        fail(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} exceed the "
+             f"policy's context of {context}")
     prompts = load_prompts(dataset, args, tokenizer, context)
     eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
+    same_file = eval_prompts and os.path.isfile(dataset) and os.path.samefile(dataset, eval_dataset)
+    if same_file and int(os.environ.get("RANK", 0)) == 0:
+        print(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on training prompts",
+              file=sys.stderr)
     reward_tokenizers, reward_fns = check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts,
                                                   stop_token_ids)
     return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fns=reward_fns,
@@ -1037,7 +1060,7 @@ def check_reward_context(path, config, reward_tokenizer, prompts, args):
                       for r in range(len(prompts.texts)))
     if longest + args.response_length > context:
         fail(f"--reward_model_path {path!r}: a prompt of {longest} tokens and --response_length {args.response_length} "
-             f"exceed its context of {context}; shorten the prompts or --response_length")
+             f"exceed its context of {context}; shorten the prompts (--max_prompt_length) or --response_length")
 
 
 # -------------------------------------------------------------------------- the held-out evaluation
@@ -1352,21 +1375,38 @@ def left_pad(sequences, pad_token_id):
 
 
 def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
-    """-> texts, token ids, chat messages (None: plain text) and the rows' other fields ({name: a
-    value per row, None where absent}), checked: some, none empty, each fits the context."""
-    rows = read_prompts(dataset, args.dataset_train_split, flag)
+    """-> texts, token ids, chat messages (None: plain text), the rows' other fields ({name: a value per
+    row, None where absent}), and how many over-long prompts were filtered and truncated (--overlong_prompts)."""
+    split = args.dataset_train_split if flag == "dataset" else args.dataset_test_split
+    rows, lines = read_prompts(dataset, split, flag)
     texts, ids, messages = render_prompts([row.get("prompt", row.get("messages")) for row in rows], tokenizer, flag)
-    names = dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED_FIELDS)  # once each
-    fields = {name: [row.get(name) for row in rows] for name in names}
+    where = lambda i: f"row {i + 1}" + (f" (line {lines[i]})" if lines else "")  # noqa: E731 (from 1, as files)
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
     if min(len(i) for i in ids) == 0:
-        fail(f"--{flag} {dataset!r}: prompt {[len(i) for i in ids].index(0)} is empty after tokenization")
-    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-    if context and len(ids[longest]) + args.response_length > context:
-        fail(f"--{flag}: prompt {longest} has {len(ids[longest])} tokens, which with --response_length "
-             f"{args.response_length} exceeds the model's context of {context}; shorten the prompts or the response")
-    return SimpleNamespace(texts=texts, ids=ids, messages=messages, fields=fields)
+        fail(f"--{flag} {dataset!r}: {where([len(i) for i in ids].index(0))} is empty after tokenization")
+    limit = args.max_prompt_length or (context and context - args.response_length)  # None: no limit
+    over = [i for i in range(len(ids)) if limit and len(ids[i]) > limit]
+    if over and args.overlong_prompts == "error":
+        default = f" (context {context} minus --response_length {args.response_length})"
+        fail(f"--{flag} {dataset!r}: {where(over[0])} has {len(ids[over[0]])} tokens, the first of {len(over)} longer "
+             f"than --max_prompt_length {limit}{'' if args.max_prompt_length else default}; shorten them or pass "
+             "--overlong_prompts filter|truncate_left")
+    truncated = [i for i in over if args.overlong_prompts == "truncate_left" and messages[i] is None]  # chat: filtered
+    for i in truncated:  # the policy reads the last ids; reward models and functions the text of those ids
+        ids[i] = ids[i][-limit:]
+        texts[i] = tokenizer.decode(ids[i])
+    dropped = set(over) - set(truncated)
+    kept = [i for i in range(len(ids)) if i not in dropped]
+    if not kept:
+        fail(f"--{flag} {dataset!r}: all {len(ids)} prompts are longer than --max_prompt_length {limit}, and "
+             f"--overlong_prompts {args.overlong_prompts} leaves none")
+    rows = [rows[i] for i in kept]
+    names = dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED_FIELDS)  # once each
+    return SimpleNamespace(texts=[texts[i] for i in kept], ids=[ids[i] for i in kept],
+                           messages=[messages[i] for i in kept],
+                           fields={name: [row.get(name) for row in rows] for name in names},
+                           filtered=len(dropped), truncated=len(truncated))
 
 
 NOT_PASSED_FIELDS = ("prompt", "completion", "completion_ids", "messages")  # TRL passes the rest on
@@ -1374,24 +1414,24 @@ NOT_PASSED_FIELDS = ("prompt", "completion", "completion_ids", "messages")  # TR
 
 def read_prompts(dataset, split, flag="dataset"):
     """-> the dataset's rows, each a dict with a `prompt` (a string) or `messages` (a list of chat
-    messages) and whatever other fields it has (a .txt file's have none)."""
+    messages) and whatever other fields it has (a .txt file's have none); a file's their line numbers."""
     if dataset.endswith((".txt", ".jsonl")):
         try:
             with open(dataset, encoding="utf-8") as f:
-                lines = [line.rstrip("\n") for line in f if line.strip()]
+                lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip()]  # blank: skipped
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--{flag} {dataset!r} cannot be read: {e}")
         if dataset.endswith(".txt"):
-            return [{"prompt": line} for line in lines]
+            return [{"prompt": line} for _, line in lines], [n for n, _ in lines]
         rows = []
-        for i, line in enumerate(lines):
+        for n, line in lines:
             try:
                 rows.append(json.loads(line))
                 if not isinstance(rows[-1].get("prompt", rows[-1].get("messages")), (str, list)):
                     raise ValueError
             except (ValueError, AttributeError):
-                fail(f"--{flag} {dataset!r} line {i + 1}: expected a JSON object with a `prompt` or `messages` field")
-        return rows
+                fail(f"--{flag} {dataset!r} line {n}: expected a JSON object with a `prompt` or `messages` field")
+        return rows, [n for n, _ in lines]
     if os.path.exists(dataset):
         fail(f"--{flag} {dataset!r}: use a .txt or .jsonl file")
     try:
@@ -1404,7 +1444,7 @@ def read_prompts(dataset, split, flag="dataset"):
         fail(f"--{flag} {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
     if "prompt" not in data.column_names and "messages" not in data.column_names:
         fail(f"--{flag} {dataset!r} has no `prompt` or `messages` column")
-    return list(data)
+    return list(data), None
 
 
 def render_prompts(rows, tokenizer, flag="dataset"):
@@ -1505,14 +1545,19 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
 
 
 def check_scores(scores, n, source):
-    """A reward function's output -> float32 (n,), NaN where it gave None, or one line."""
+    """A reward function's output -> float32 (n,), NaN where it gave None, or one line. A score is a
+    numbers.Real (float, int, bool as 1/0, numpy's scalars) or a 0-d tensor; a string is refused."""
     try:
         scores = list(scores)
-        values = [math.nan if s is None else float(s) for s in scores]
-    except (TypeError, ValueError):
+    except TypeError:
         fail(f"{source} must return a list of floats (or None), got {type(scores).__name__}")
-    if len(values) != n:
-        fail(f"{source} returned {len(values)} scores for {n} completions")
+    if len(scores) != n:
+        fail(f"{source} returned {len(scores)} scores for {n} completions")
+    for i, s in enumerate(scores):
+        if not (s is None or isinstance(s, numbers.Real) or torch.is_tensor(s) and s.ndim == 0 and not s.is_complex()):
+            fail(f"{source} returned a {type(s).__name__} ({s!r:.40}) for completion {i}: a score is a real number "
+                 "or None")
+    values = [math.nan if s is None else float(s) for s in scores]
     bad = [i for i, (s, v) in enumerate(zip(scores, values)) if s is not None and not math.isfinite(v)]
     if bad:
         fail(f"{source} returned a non-finite score ({values[bad[0]]}) for completion {bad[0]}")
@@ -1578,7 +1623,7 @@ def builtin_task(args):
     temp folder per process (deleted at exit; a killed run's at the next start) before the process
     group exists."""
     model_path, dataset = args.model_name_or_path, args.dataset
-    eval_dataset = None if args.eval_dataset == "builtin" else args.eval_dataset
+    eval_dataset = None if args.eval_dataset == "auto" else args.eval_dataset
     if "builtin" in (model_path, dataset):
         for old in os.listdir(tempfile.gettempdir()):  # those of ended processes
             pid = old.split("_")[3] if old.startswith("ppo_rlhf_builtin_") and old.count("_") >= 4 else ""
@@ -1586,7 +1631,7 @@ def builtin_task(args):
                 shutil.rmtree(os.path.join(tempfile.gettempdir(), old), ignore_errors=True)
         folder = tempfile.mkdtemp(prefix=f"ppo_rlhf_builtin_{os.getpid()}_")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        held_out = dataset == "builtin" and args.eval_dataset == "builtin"
+        held_out = dataset == "builtin" and args.eval_dataset == "auto"
         builtin_model, builtin_prompts, builtin_eval = build_addition_task(folder, args.seed, held_out)
         model_path = builtin_model if model_path == "builtin" else model_path
         if dataset == "builtin":
@@ -2094,6 +2139,8 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
         saved[key] = [saved[key]] if isinstance(saved[key], str) else saved[key]
     if isinstance(saved["stop_token_id"], int):  # one id in checkpoints of versions before the list
         saved["stop_token_id"] = [saved["stop_token_id"]]
+    if saved["eval_dataset"] == "builtin":  # as check_args normalises it
+        saved["eval_dataset"] = "auto"
     # the stop ids it resolved must be this run's, however the flags name them (they also come from
     # the model)
     stop_flags = {"stop_token", "stop_token_id"} if "stop_token_ids" in state else set()
@@ -2333,12 +2380,18 @@ def health_hints(window, args, has_stop_token):
     return hints
 
 
+def described(prompts):
+    """'N prompts', with how many over-long ones --overlong_prompts filtered or truncated."""
+    cut = [f"{n} over-long {how}" for n, how in ((prompts.filtered, "filtered"), (prompts.truncated, "truncated")) if n]
+    return f"{len(prompts.texts)} prompts" + (f" ({', '.join(cut)})" if cut else "")
+
+
 class Logger:
     """Rank 0 prints a start line and a line per update (and sample completions
     num_sample_generations times), and appends one JSON object per update to metrics.jsonl (and
     sends it to wandb with --track); health hints (see health_hints) on stderr."""
 
-    def __init__(self, args, output_dir, sizes, rt, num_prompts, models):
+    def __init__(self, args, output_dir, sizes, rt, inputs, models):
         self.args, self.sizes, self.rt, self.last, self.first_update = args, sizes, rt, None, None
         self.path, n, self.wandb = os.path.join(output_dir, "metrics.jsonl"), args.num_sample_generations, None
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
@@ -2354,11 +2407,15 @@ class Logger:
         every, trained = sum(p.numel() for p in every), sum(p.numel() for p in every if p.requires_grad)
         k = args.num_generations
         what = "prompts" if k == 1 else f"responses to {sizes.batch_size // k} prompts x {k}"
+        evaluated = f"eval {described(inputs.eval_prompts)}" if inputs.eval_prompts else "no eval"
+        if args.eval_dataset == "auto":  # say what auto chose
+            evaluated += " (--eval_dataset auto: " + ("the built-in task's held-out sums)" if inputs.eval_prompts else
+                                                       "none for one's own --dataset)")
         self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
                    f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
-                   f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), {num_prompts} prompts, "
-                   f"device {rt.device}, {args.dtype}, stop ids {models.stop_token_ids or 'none'}, output "
-                   f"{output_dir}; {models.value_source}"
+                   f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
+                   f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, stop ids "
+                   f"{models.stop_token_ids or 'none'}, output {output_dir}; {models.value_source}"
                    f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
                    + (f"; LoRA r {args.lora_r}: {trained:,} of {every:,} parameters train" if args.lora_r else ""))
         self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)

@@ -1851,7 +1851,7 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0, "eval_temperature": -0.5,
                 "score_clip": 0.0, "overlong_buffer": -1, "length_penalty": float("nan"),
                 "overlong_penalty": float("inf"), "health_window": -1, "replay_rounds": -1,
-                "replay_weight_cap": 0.5}
+                "replay_weight_cap": 0.5, "max_prompt_length": 0}
 
 
 def file_case(case, tiny, tmp_path):
@@ -1860,10 +1860,11 @@ def file_case(case, tiny, tmp_path):
     if case == "csv prompts":
         (tmp_path / "prompts.csv").write_text("w1 w2\n")
         return dict(dataset=str(tmp_path / "prompts.csv")), "--dataset"
-    if case in ("bad jsonl", "chat prompts, no chat template", "empty prompts"):
+    if case in ("bad jsonl", "chat prompts, no chat template", "empty prompts", "bad jsonl after a blank line"):
         chat = '{"messages": [{"role": "user", "content": "w1"}]}\n'
         jsonl.write_text({"bad jsonl": '{"prompt": "w1"}\n{"text": "w2"}\n', "empty prompts": "\n  \n",
-                          "chat prompts, no chat template": chat}[case])
+                          "chat prompts, no chat template": chat,
+                          "bad jsonl after a blank line": '{"prompt": "w1"}\n\n{"text": "w2"}\n'}[case])
         return dict(dataset=str(jsonl)), "--dataset"
     if case == "reward model with 2 labels":
         config("gpt2", len(WORDS), num_labels=2, architectures=["GPT2ForSequenceClassification"]).save_pretrained(
@@ -1898,6 +1899,10 @@ def file_case(case, tiny, tmp_path):
         "a causal LM as reward model": (dict(reward_model_path=[tiny["gpt2"]]), "--reward_model_path"),
         "missing prompts": (dict(dataset="/no/such/prompts.txt"), "--dataset"),
         "a prompt too long": (dict(response_length=30), "--response_length"),
+        "a response as long as the context": (dict(response_length=32), "--response_length"),
+        "a prompt length and response past the context": (dict(max_prompt_length=27), "--max_prompt_length"),
+        "a hub eval dataset on the training split": (dict(dataset="someone/prompts", eval_dataset="someone/prompts",
+                                                          dataset_test_split="train"), "--dataset_test_split"),
         "own prompts, no reward": (dict(reward_model_path=None), "--reward_fn"),
         "reward_fn without a colon": (dict(reward_model_path=None, reward_fn=["count_w1"]), "--reward_fn"),
         "missing reward module": (dict(reward_model_path=None, reward_fn=["no_such_module:f"]), "--reward_fn"),
@@ -1967,7 +1972,9 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "a reward function needing a field the held-out rows lack",
               "a reward function asking for TRL's log_metric", "a field named like a reward function's argument",
               "the built-in task without a stop id", "replay without a correction",
-              "a replay correction without replay", "a weight cap without decoupled replay"]
+              "a replay correction without replay", "a weight cap without decoupled replay",
+              "bad jsonl after a blank line", "a response as long as the context",
+              "a prompt length and response past the context", "a hub eval dataset on the training split"]
 
 
 MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
@@ -1983,7 +1990,13 @@ MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, whi
             "a reward function of one parameter": "takes (x): give it (prompts, completions), or keywords",
             "a reward function needing a field the rows lack": "needs 'answer', which the rows of --dataset do not",
             "a reward function asking for TRL's log_metric": "asks for ['log_metric']",
-            "a field named like a reward function's argument": "field named 'prompts'"}
+            "a field named like a reward function's argument": "field named 'prompts'",
+            "bad jsonl after a blank line": "line 3: expected a JSON object",
+            "a prompt too long": "longer than --max_prompt_length 2 (context 32 minus --response_length 30)",
+            "a response as long as the context": "--response_length 32 leaves no room for a prompt in the policy's "
+                                                 "context of 32",
+            "a prompt length and response past the context": "27 + --response_length 6 exceed the policy's context",
+            "a hub eval dataset on the training split": "is --dataset with the same split ('train')"}
 
 
 def test_the_bad_input_table_covers_every_ranged_flag():
@@ -2027,8 +2040,11 @@ RUNTIME_CASES = {  # found only once the models run: still one line, and no metr
                                       "--reward_fn"),
     "a reward function scoring no completion": (dict(reward_model_path=None, reward_fn=[f"{__file__}:none_for_all"]),
                                                 "--reward_fn"),
+    "a reward function returning strings": (dict(reward_model_path=None, reward_fn=[f"{__file__}:string_scores"]),
+                                            "--reward_fn"),
 }
-RUNTIME_MUST_SAY = {"a reward function that raises": "raised ValueError: the grader is down (test_ppo_rlhf.py:",
+RUNTIME_MUST_SAY = {"a reward function returning strings": "returned a str ('1.0') for completion 0: a score is",
+                    "a reward function that raises": "raised ValueError: the grader is down (test_ppo_rlhf.py:",
                     "a reward function scoring no completion": "no source scored completion 0",
                     "a reward function returning NaN": "non-finite score (nan) for completion 0",
                     "a reward function returning the wrong count": "returned 7 scores for 8 completions"}
@@ -2204,6 +2220,145 @@ def test_hub_dataset_without_the_datasets_package(tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(SystemExit, match="pip install datasets"):
         P.main(run_args(tiny, tmp_path, dataset="someone/prompts"))
+
+
+class HubSplit(list):
+    column_names = ["prompt"]
+
+
+def test_a_hub_eval_dataset_reads_dataset_test_split(tiny, tmp_path, monkeypatch):
+    """--dataset_train_split for --dataset, --dataset_test_split (default test) for --eval_dataset, even of the same
+    hub dataset: datasets.load_dataset is asked for those splits and each set of prompts is its split's."""
+    asked = []
+
+    def load_dataset(path, split):
+        asked.append((path, split))
+        return HubSplit([{"prompt": f"w{i} w{i + 1}", "split": split} for i in range(3 if split == "train" else 2)])
+
+    monkeypatch.setitem(sys.modules, "datasets", SimpleNamespace(load_dataset=load_dataset))
+    for test_split in ("test", "validation"):
+        args = run_args(tiny, tmp_path, dataset="someone/prompts", eval_dataset="someone/prompts",
+                        **({"dataset_test_split": test_split} if test_split != "test" else {}))
+        P.check_args(args)
+        inputs = P.check_inputs(args, tiny["gpt2"], args.dataset, args.eval_dataset, args.output_dir)
+        assert asked[-2:] == [("someone/prompts", "train"), ("someone/prompts", test_split)]
+        assert inputs.prompts.fields["split"] == ["train"] * 3
+        assert inputs.eval_prompts.fields["split"] == [test_split] * 2
+
+
+def test_the_same_local_file_for_training_and_evaluation_gets_a_warning_on_rank_0(tiny, tmp_path, monkeypatch, capsys):
+    args = run_args(tiny, tmp_path, dataset=tiny["txt"], eval_dataset=tiny["txt"])
+    for rank, warned in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        P.check_inputs(args, tiny["gpt2"], args.dataset, args.eval_dataset, args.output_dir)
+        err = capsys.readouterr().err
+        assert err == (f"warning: --eval_dataset {tiny['txt']!r} is the --dataset file: it evaluates on training "
+                       "prompts\n" if warned else "")
+
+
+def test_eval_dataset_auto_is_the_built_in_held_out_sums_or_none_says_so_and_resumes_a_builtin_checkpoint(
+        tiny, tmp_path, capsys):
+    """The default --eval_dataset auto: the built-in task's 20 held-out sums for it (80 train), none for one's own
+    prompts; the start line says which. A checkpoint written when the default was called `builtin` resumes."""
+    assert P.Args().eval_dataset == "auto"
+    P.main(run_args(tiny, tmp_path / "own", reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
+                    total_episodes=8, num_ppo_epochs=1))
+    assert "40 prompts, no eval (--eval_dataset auto: none for one's own --dataset), " in capsys.readouterr().out
+    args = P.Args(output_dir=str(tmp_path / "builtin"), total_episodes=16, per_device_train_batch_size=8,
+                  num_ppo_epochs=1, num_sample_generations=0, save_every=1)
+    P.main(args)
+    start = capsys.readouterr().out.splitlines()[0]
+    assert "80 prompts, eval 20 prompts (--eval_dataset auto: the built-in task's held-out sums), " in start
+    first = os.path.join(args.output_dir, "checkpoint-000001")
+    state = torch.load(os.path.join(first, "state.pt"), weights_only=True)
+    state["config"]["eval_dataset"] = "builtin"  # as the versions before `auto` wrote it
+    torch.save(state, os.path.join(first, "state.pt"))
+    P.main(dataclasses.replace(args, resume=first))
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
+    assert ["eval/score" in m for m in read_metrics(args.output_dir)] == [False, True]  # after the last update
+
+
+def test_over_long_prompts_are_an_error_naming_their_row_and_line_counted_from_1(tiny, tmp_path):
+    """Blank lines are skipped, so the row (of the prompts) and the line (of the file) differ; both count from 1."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("w1 w2\n\n\nw3 w4 w5 w6\nw7\n\nw1 w2 w3 w4 w5\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
+    with pytest.raises(SystemExit) as exc:
+        P.load_prompts(str(path), run_args(tiny, tmp_path, max_prompt_length=3), tokenizer, 32)
+    assert str(exc.value) == (f"error: --dataset {str(path)!r}: row 2 (line 4) has 4 tokens, the first of 2 longer "
+                              "than --max_prompt_length 3; shorten them or pass --overlong_prompts "
+                              "filter|truncate_left")
+    with pytest.raises(SystemExit, match=r"row 2 \(line 4\) has 4 tokens, the first of 2 longer than "
+                                         r"--max_prompt_length 3 \(context 9 minus --response_length 6\)"):
+        P.load_prompts(str(path), run_args(tiny, tmp_path), tokenizer, 9)  # the default: the context's room
+
+
+@pytest.mark.parametrize("mode", ["filter", "truncate_left"])
+def test_over_long_prompts_are_filtered_or_truncated_for_every_reader(tiny, tmp_path, monkeypatch, capsys, mode):
+    """--max_prompt_length 4: filter leaves the longer rows out (with their fields), truncate_left keeps their last 4
+    token ids; the policy's queries and the reward function's prompts are the kept rows' tokens and their text, the
+    start line counts them."""
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "log"))
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:answer_matches"],
+                    dataset=tiny["answers"], max_prompt_length=4, overlong_prompts=mode, total_episodes=16)
+    P.main(args)
+    rows = read_lines(tiny["answers"])
+    over = [r for r in rows if len(r["prompt"].split()) > 4]
+    assert 0 < len(over) < len(rows)
+    counted = f"{len(rows) - len(over)} prompts ({len(over)} over-long filtered)" if mode == "filter" else \
+        f"{len(rows)} prompts ({len(over)} over-long truncated)"
+    assert f"), {counted}, no eval " in capsys.readouterr().out.splitlines()[0]
+    kept = defaultdict(list)  # {prompt as trained on: the fields of its rows} (two rows have the same prompt)
+    for r in rows if mode == "truncate_left" else [r for r in rows if r not in over]:
+        kept[" ".join(r["prompt"].split()[-4:])].append((r["answer"], r.get("note")))
+    tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
+    logged = read_lines(tmp_path / "log.0")
+    for call, (batch, *_) in zip(logged, calls):
+        assert all(f in kept[p] for f, p in zip(zip(call["answer"], call["fields"]["note"]), call["prompts"]))
+        queries = batch["query_responses"][:, :batch["context_length"]]
+        mask = batch["attention_mask"][:, :batch["context_length"]]
+        assert [tokenizer.decode(q[m]) for q, m in zip(queries, mask)] == call["prompts"]  # the policy reads the same
+    assert len(logged) == len(calls) == 2 and max(len(p.split()) for c in logged for p in c["prompts"]) <= 4
+    if mode == "truncate_left":  # some truncated ones were trained on
+        assert {p for c in logged for p in c["prompts"]} & {" ".join(r["prompt"].split()[-4:]) for r in over}
+
+
+def test_truncate_left_keeps_the_last_ids_filters_chat_rows_and_reward_models_check_the_truncated_text(tiny, tmp_path):
+    chat_tokenizer = P.ensure_pad_token(AutoTokenizer.from_pretrained(tiny["chat"]))
+    path = tmp_path / "mixed.jsonl"
+    plain, short = "w1 w2 w3 w4 w5 w6 w7 w8", {"messages": [{"role": "user", "content": "w1"}]}
+    rows = [{"prompt": plain}, {"messages": [{"role": "user", "content": plain}]}, short]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = run_args(tiny, tmp_path, max_prompt_length=6, overlong_prompts="truncate_left")
+    prompts = P.load_prompts(str(path), args, chat_tokenizer, 32)
+    assert prompts.ids[0] == chat_tokenizer(plain)["input_ids"][-6:] and prompts.texts[0] == "w3 w4 w5 w6 w7 w8"
+    assert prompts.messages == [None, short["messages"]] and (prompts.filtered, prompts.truncated) == (1, 1)
+    overrides, _ = file_case("a reward model with its own tokenizer and a shorter context", tiny, tmp_path)
+    args = run_args(tiny, tmp_path, **overrides)
+    with pytest.raises(SystemExit, match="exceed its context of 8"):  # prompts of up to 6 words, 6 response tokens
+        P.check_inputs(args, tiny["gpt2"], args.dataset, None, args.output_dir)
+    args = dataclasses.replace(args, max_prompt_length=2, overlong_prompts="truncate_left")  # 2 + 6 fit its 8
+    P.check_inputs(args, tiny["gpt2"], args.dataset, None, args.output_dir)
+    with pytest.raises(SystemExit, match="all 3 prompts are longer than --max_prompt_length 1, and --overlong_prompts "
+                                         "filter leaves none"):
+        P.load_prompts(str(path), P.Args(max_prompt_length=1, overlong_prompts="filter"), chat_tokenizer, 32)
+
+
+def string_scores(completions, **kwargs):
+    return ["1.0"] * len(completions)
+
+
+def test_reward_function_scores_are_real_numbers_or_none():
+    import numpy as np
+    given = [1.0, 2, True, np.float32(0.5), np.int64(3), torch.tensor(0.25), torch.tensor(4), None]
+    assert P.check_scores(given, 8, "--reward_fn f").tolist()[:7] == [1.0, 2.0, 1.0, 0.5, 3.0, 0.25, 4.0]
+    for bad, named in (("1.0", "a str ('1.0')"), ("correct", "a str ('correct')"), (torch.ones(1), "a Tensor"),
+                       ([1.0], "a list ([1.0])"), (b"1", "a bytes")):
+        with pytest.raises(SystemExit) as exc:
+            P.check_scores([0.0, bad], 2, "--reward_fn f")
+        assert str(exc.value).startswith(f"error: --reward_fn f returned {named}") and "for completion 1: a score" in \
+            str(exc.value)
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints and resume
