@@ -2089,7 +2089,7 @@ def test_the_context_checks_cover_the_held_out_prompts_and_let_an_exact_fit_thro
     with pytest.raises(SystemExit, match="--reward_model_path .*context of 16"):
         check(11, with_rm)
     assert len(check(26, without_rm).eval_prompts.ids[0]) == 26  # 26 + 6 = the policy's 32
-    with pytest.raises(SystemExit, match="--eval_dataset.*context of 32"):
+    with pytest.raises(SystemExit, match="--eval_dataset .* has 27 tokens"):
         check(27, without_rm)
 
 
