@@ -544,7 +544,7 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
     """Phase 1: sample a response to each query (B, P) with π_old, keeping log π_old. ->
     query_responses, attention_mask, response_mask (B, R; True = real), lengths, truncated (B,),
     logprobs, context_length. temperature, generator: the evaluation's."""
-    chunk, pad, stop = args.local_rollout_forward_batch_size, models.tokenizer.pad_token_id, models.stop_token_ids
+    chunk, pad, stop = args.local_rollout_forward_batch_size, models.pad_token_id, models.stop_token_ids
     with rt.no_grad(), rt.autocast(), gathered(models.policy, rt.fsdp and args.rollout_unshard):
         generated = [generate(models.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
                               args.temperature if temperature is None else temperature, stop, pad,
@@ -731,7 +731,7 @@ def main(args: Args):
         model.eval()  # 4.x: train() mode drops the KV cache
 
         # 1. rollout: sample responses with the current policy π_old, keeping each token's log π_old
-        queries, query_mask = left_pad([prompts.ids[i] for i in rows], models.tokenizer.pad_token_id)
+        queries, query_mask = left_pad([prompts.ids[i] for i in rows], models.pad_token_id)
         batch = rollout(models, queries.to(rt.device), query_mask.to(rt.device), args, rt)
         mask = batch["response_mask"]  # (B, R), True = real response token
         clock.lap("generate")
@@ -906,7 +906,7 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     base = adapter_base(model_path)
     has_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
     tokenizer_path = base if base and not has_tokenizer else model_path  # an adapter's base's
-    tokenizer = ensure_pad_token(from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args))
+    tokenizer = from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args)
     policy_config = configs["model_name_or_path"]
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base or model_path, policy_config)
     context = getattr(policy_config, "max_position_embeddings", None)
@@ -1036,7 +1036,7 @@ def resolve_stop_token_ids(args, tokenizer, path, config):
     else:
         ids = []
     ids = list(dict.fromkeys(i for i in ids if i is not None))  # once each
-    vocab_size = max(len(tokenizer), getattr(config.get_text_config(), "vocab_size", 0) or 0)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)  # the logits' width
     outside = [i for i in ids if not 0 <= i < vocab_size]
     if outside:
         fail(f"--stop_token_id {outside}: not in the policy's vocabulary [0, {vocab_size})")
@@ -1073,7 +1073,7 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
     real = torch.tensor([rt.rank * per_rank + i < n for i in range(per_rank)], device=rt.device)
     # its own stream: a run trains the same with or without evaluation
     generator = torch.Generator(rt.device).manual_seed(hash((args.seed, update, rt.rank, 1)) % 2**63)
-    queries, query_mask = left_pad([prompts.ids[r] for r in rows], models.tokenizer.pad_token_id)
+    queries, query_mask = left_pad([prompts.ids[r] for r in rows], models.pad_token_id)
     queries, query_mask = queries.to(rt.device), query_mask.to(rt.device)
     batch = rollout(models, queries, query_mask, args, rt, args.eval_temperature, generator)
     scored = score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=True)
@@ -1147,7 +1147,7 @@ def replay_batch(progress, batch, update, models, args, rt):
     for b in old:  # π_prox: the policy now, at the start of the update
         prox, values = prox_and_values(models, b, args, rt)
         parts.append(dict(b, values=values, prox=prox, age=age(b)))
-    train = repad(parts, models.tokenizer.pad_token_id)
+    train = repad(parts, models.pad_token_id)
     mask = train["response_mask"]
     lam = args.lam if args.advantage_estimator == "gae" else 1.0
     advantages, train["returns"] = gae(train["rewards"], train["values"], mask, args.gamma, lam)
@@ -1267,22 +1267,11 @@ def adapter_base(path, flag="model_name_or_path"):
              "peft adapter folder")
 
 
-def ensure_pad_token(tokenizer):
-    """Give a tokenizer without a pad token, or whose pad token is EOS, a distinct one: EOS is an
-    action the policy takes and must never be mistaken for padding."""
-    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-    return tokenizer
-
-
-def fit_tokenizer(model, tokenizer):
-    """Make room for an added pad token and record it in the config (HF's own pooling reads
-    config.pad_token_id). -> whether the embeddings grew."""
-    resized = len(tokenizer) > model.get_input_embeddings().num_embeddings
-    if resized:
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return resized
+def padding_id(tokenizer):
+    """The id written into padded positions: the pad token's, else EOS's (else 0). Any id will do:
+    every mask comes from lengths and attention masks, never from ids. Tokenizer and configs are saved
+    as they came: a saved pad = EOS would make EOS padding (padding_idx, label masking) for their user."""
+    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
 
 
 def load_models(args, model_path, inputs, rt):
@@ -1291,7 +1280,7 @@ def load_models(args, model_path, inputs, rt):
     tokenizer, frozen_dtype = inputs.tokenizer, rt.low_dtype or torch.float32
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args,
                              frozen_dtype if args.lora_r else torch.float32)
-    base_paths = {"policy": stable_path(args, model_path, model_path, fit_tokenizer(policy, tokenizer))}
+    base_paths = {"policy": stable_path(args, model_path, model_path)}
     source_dtypes = {"policy": inputs.stored_dtypes[adapter_base(model_path) or model_path]}
     if args.lora_r:
         policy = add_lora(policy, args)
@@ -1301,14 +1290,11 @@ def load_models(args, model_path, inputs, rt):
     elif args.kl_coef:
         ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args, frozen_dtype)
                       if args.ref_model_path else copy.deepcopy(policy))
-        fit_tokenizer(ref_policy, tokenizer)
         ref_policy.requires_grad_(False).eval().to(rt.device, frozen_dtype)
     reward_models = []  # (model, its tokenizer, or None if it reads the policy's token ids)
     for path, reward_tokenizer in zip(args.reward_model_path or [], inputs.reward_tokenizers):
         reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args,
                                        frozen_dtype)
-        if reward_tokenizer is None:
-            fit_tokenizer(reward_model, tokenizer)
         reward_models.append((reward_model.requires_grad_(False).eval().to(rt.device, frozen_dtype), reward_tokenizer))
     value_model, value_source, value_path = load_value_model(args, model_path, tokenizer, bool(reward_models) and
                                                              reward_models[0][1] is None, base_paths, rt)
@@ -1325,7 +1311,8 @@ def load_models(args, model_path, inputs, rt):
         ref_head = policy_head
     elif ref_policy is not None and not (rt.fsdp and args.shard_frozen_models):
         ref_head = output_layer(ref_policy)
-    return SimpleNamespace(tokenizer=tokenizer, stop_token_ids=inputs.stop_token_ids, policy=policy,
+    return SimpleNamespace(tokenizer=tokenizer, pad_token_id=padding_id(tokenizer),
+                           stop_token_ids=inputs.stop_token_ids, policy=policy,
                            ref_policy=ref_policy, value_model=value_model, value_source=value_source,
                            reward_models=reward_models, reward_fns=inputs.reward_fns, builtin_reward=builtin_reward,
                            reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
@@ -1346,7 +1333,7 @@ def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary
     if not hasattr(value_model, "score"):
         fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
              "(a *ForSequenceClassification of a causal LM)")
-    base_paths["value_model"] = stable_path(args, value_path, model_path, fit_tokenizer(value_model, tokenizer))
+    base_paths["value_model"] = stable_path(args, value_path, model_path)
     if args.lora_r:  # its own adapter, and the whole score head
         value_model = add_lora(value_model, args, modules_to_save=["score"])
     source = "value model from " + (f"--value_model_path {value_path}" if args.value_model_path else
@@ -1976,12 +1963,11 @@ def reference_weights(models, args):
     return models.ref_policy.disable_adapter() if args.lora_r else nullcontext()
 
 
-def stable_path(args, path, model_path, resized):
+def stable_path(args, path, model_path):
     """path, if it still holds the model's base weights after the run, else None (a LoRA run then
-    saves them beside its adapter): not the built-in task's temp folder, a resized vocabulary, a
-    merged adapter."""
+    saves them beside its adapter): not the built-in task's temp folder, a merged adapter."""
     builtin = args.model_name_or_path == "builtin" and path == model_path
-    return None if resized or builtin or adapter_base(path) else path
+    return None if builtin or adapter_base(path) else path
 
 
 def quietly(function, *args, **kwargs):

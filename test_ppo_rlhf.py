@@ -798,15 +798,55 @@ def test_generation_stops_at_the_stop_token(tiny):
         assert torch.equal(row[:n], free_row[:n]) and torch.allclose(lp[:n], free_lp[:n])
 
 
-def test_a_pad_token_equal_to_eos_is_replaced():
-    tokenizer = word_tokenizer(WORDS, pad="<eos>")
-    assert tokenizer.pad_token_id == tokenizer.eos_token_id
-    P.ensure_pad_token(tokenizer)
-    assert tokenizer.pad_token_id != tokenizer.eos_token_id and tokenizer.eos_token_id == 1
-    model = AutoModelForCausalLM.from_config(config("gpt2", len(WORDS)))
-    P.fit_tokenizer(model, tokenizer)
-    assert model.get_input_embeddings().num_embeddings == len(tokenizer)
-    assert model.config.pad_token_id == tokenizer.pad_token_id
+@pytest.mark.parametrize("stop_token_id", [None, [5]])  # EOS the stop id; EOS an action like any other
+def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_changes_no_number(tiny, tmp_path, monkeypatch,
+                                                                             stop_token_id):
+    """The tiny GPT-2 with a tokenizer and config without a pad token (padded with EOS inside the script), against
+    the same model with its distinct <pad>: with responses stopping early, the same masks, ids at every real position,
+    log-probs, metrics and trained weights; the saved tokenizer and config have no pad token and the base's
+    vocabulary size."""
+    nopad = tmp_path / "nopad"
+    shutil.copytree(tiny["gpt2"], nopad)
+    with open(nopad / "config.json") as f:
+        stored = json.load(f)
+    with open(nopad / "config.json", "w") as f:
+        json.dump({**stored, "pad_token_id": None}, f)
+    word_tokenizer(WORDS, pad=None).save_pretrained(nopad)
+    runs = {}
+    for name, path in (("pad", tiny["gpt2"]), ("nopad", str(nopad))):
+        calls = spy_on_updates(monkeypatch)
+        args = run_args(tiny, tmp_path / name, model_name_or_path=path, stop_token_id=stop_token_id, total_episodes=24)
+        P.main(args)
+        monkeypatch.undo()
+        runs[name] = (calls, read_metrics(args.output_dir), final_weights(args.output_dir), args.output_dir)
+    for (a, *_), (b, *_) in zip(runs["pad"][0], runs["nopad"][0], strict=True):
+        real = a["attention_mask"]
+        assert torch.equal(real, b["attention_mask"]) and torch.equal(a["response_mask"], b["response_mask"])
+        assert torch.equal(a["query_responses"][real], b["query_responses"][real])
+        assert not torch.equal(a["query_responses"], b["query_responses"])  # padded with 0 and with EOS (1)
+        for key in ("logprobs", "ref_logprobs", "values", "advantages", "returns"):
+            assert torch.equal(a[key], b[key]), key
+    assert any((c["lengths"] < 6).any() for c, *_ in runs["nopad"][0])  # some stopped early
+    assert [DETERMINISTIC_KEYS(m) for m in runs["pad"][1]] == [DETERMINISTIC_KEYS(m) for m in runs["nopad"][1]]
+    assert all(torch.equal(v, runs["nopad"][2][n][k]) for n in runs["pad"][2] for k, v in runs["pad"][2][n].items())
+    policy_dir = os.path.join(runs["nopad"][3], "policy")
+    saved = AutoModelForCausalLM.from_pretrained(policy_dir)
+    assert AutoTokenizer.from_pretrained(policy_dir).pad_token is None and saved.config.pad_token_id is None
+    assert saved.config.vocab_size == saved.get_input_embeddings().num_embeddings == len(WORDS)
+
+
+def test_a_chat_model_without_a_pad_token_is_saved_as_it_came(tiny, tmp_path):
+    """A Llama chat model without a pad token under LoRA: the adapter names the untouched base (no policy_base/
+    written), and the merged policy reloads with the base's vocabulary, no pad token and padding_idx None."""
+    args = run_args(tiny, tmp_path, model_name_or_path=tiny["chat"], reward_model_path=None, total_episodes=8,
+                    reward_fn=[f"{__file__}:chat_words"], dataset=tiny["chat_prompts"], lora_r=4, merge_lora=True)
+    P.main(args)
+    assert sorted(os.listdir(args.output_dir)) == ["metrics.jsonl", "policy", "policy_merged", "value_model"]
+    assert P.adapter_base(os.path.join(args.output_dir, "policy")) == tiny["chat"]
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy_merged"))
+    assert merged.get_input_embeddings().num_embeddings == len(CHAT_WORDS) and merged.config.pad_token_id is None
+    assert merged.get_input_embeddings().padding_idx is None
+    assert AutoTokenizer.from_pretrained(os.path.join(args.output_dir, "policy_merged")).pad_token is None
 
 
 @pytest.mark.parametrize("arch,dropout", [("gpt2", dict(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)),
@@ -1131,7 +1171,7 @@ def test_a_none_score_leaves_its_source_out_and_async_functions_run(tiny, tmp_pa
 def test_a_reward_function_gets_the_columns_it_names_and_a_reward_model_covers_none_from_every_function(tiny):
     """A function that names a dataset column (no **kwargs) gets that column's values of its rows by keyword; where a
     reward model scores the rows, None from every function is no error (the reward model's score stands)."""
-    tokenizer = P.ensure_pad_token(AutoTokenizer.from_pretrained(tiny["gpt2"]))
+    tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
     prompts = P.load_prompts(tiny["answers"], P.Args(), tokenizer, None)
     seen = []
 
@@ -2325,7 +2365,7 @@ def test_over_long_prompts_are_filtered_or_truncated_for_every_reader(tiny, tmp_
 
 
 def test_truncate_left_keeps_the_last_ids_filters_chat_rows_and_reward_models_check_the_truncated_text(tiny, tmp_path):
-    chat_tokenizer = P.ensure_pad_token(AutoTokenizer.from_pretrained(tiny["chat"]))
+    chat_tokenizer = AutoTokenizer.from_pretrained(tiny["chat"])
     path = tmp_path / "mixed.jsonl"
     plain, short = "w1 w2 w3 w4 w5 w6 w7 w8", {"messages": [{"role": "user", "content": "w1"}]}
     rows = [{"prompt": plain}, {"messages": [{"role": "user", "content": plain}]}, short]
