@@ -875,6 +875,27 @@ def test_chat_messages_use_the_chat_template(tiny):
     assert ids[1] == tokenizer("w3 w9", add_special_tokens=False)["input_ids"]
 
 
+def test_trls_prompt_of_messages_rows_are_chat_rows_as_messages_rows_are(tiny, tmp_path):
+    """TRL's conversational rows, {"prompt": [messages]}, load as the same rows under `messages` do (a trailing
+    assistant turn dropped); a policy tokenizer without a chat template is refused in one line naming both forms."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny["chat"])
+    rows = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in range(3)]
+    rows[2] = rows[2] + [{"role": "assistant", "content": "w9"}]
+    files = {key: tmp_path / f"{key}.jsonl" for key in ("prompt", "messages")}
+    for key, path in files.items():
+        path.write_text("".join(json.dumps({key: r, "answer": f"w{i}"}) + "\n" for i, r in enumerate(rows)))
+    as_prompt, as_messages = (P.load_prompts(str(path), P.Args(), tokenizer, None) for path in files.values())
+    assert vars(as_prompt) == vars(as_messages) and as_prompt.messages == [r[:1] for r in rows]
+    assert as_prompt.texts[0] == tokenizer.apply_chat_template(rows[0], tokenize=False, add_generation_prompt=True)
+    assert as_prompt.fields == {"answer": ["w0", "w1", "w2"]}
+    plain = AutoTokenizer.from_pretrained(tiny["gpt2"])  # no chat template
+    for path in files.values():
+        with pytest.raises(SystemExit) as exc:
+            P.load_prompts(str(path), P.Args(), plain, None)
+        assert str(exc.value) == ("error: --dataset has chat rows (`messages`, or a `prompt` of messages) but the "
+                                  "policy's tokenizer has no chat template")
+
+
 # ----------------------------------------------------------------------------------------------------------- end to end
 def check_run(output_dir, initial_path, metrics, value_init=None):
     assert metrics and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
