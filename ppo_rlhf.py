@@ -1400,8 +1400,8 @@ NOT_PASSED_FIELDS = ("prompt", "completion", "completion_ids", "messages")  # TR
 
 
 def read_prompts(dataset, split, flag="dataset"):
-    """-> the dataset's rows, each a dict with a `prompt` (a string) or `messages` (a list of chat
-    messages) and whatever other fields it has (a .txt file's have none); a file's their line numbers."""
+    """-> the dataset's rows, each a dict with a `prompt` (a string, or chat messages as in TRL) or
+    `messages` (chat messages) and its other fields (a .txt file's have none); a file's their line numbers."""
     if dataset.endswith((".txt", ".jsonl")):
         try:
             with open(dataset, encoding="utf-8") as f:
@@ -1439,7 +1439,8 @@ def render_prompts(rows, tokenizer, flag="dataset"):
     dropped). -> prompt texts, their token ids, and the messages (None for plain text)."""
     messages = [None if isinstance(r, str) else r[:-1] if r and r[-1].get("role") == "assistant" else r for r in rows]
     if tokenizer.chat_template is None and any(m is not None for m in messages):
-        fail(f"--{flag} has chat `messages` but the policy's tokenizer has no chat template")
+        fail(f"--{flag} has chat rows (`messages`, or a `prompt` of messages) but the policy's tokenizer has no "
+             "chat template")
     texts = [r if m is None else tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
              for r, m in zip(rows, messages)]
     return texts, [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)], messages

@@ -915,6 +915,27 @@ def test_chat_messages_use_the_chat_template(tiny):
     assert ids[1] == tokenizer("w3 w9", add_special_tokens=False)["input_ids"]
 
 
+def test_trls_prompt_of_messages_rows_are_chat_rows_as_messages_rows_are(tiny, tmp_path):
+    """TRL's conversational rows, {"prompt": [messages]}, load as the same rows under `messages` do (a trailing
+    assistant turn dropped); a policy tokenizer without a chat template is refused in one line naming both forms."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny["chat"])
+    rows = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in range(3)]
+    rows[2] = rows[2] + [{"role": "assistant", "content": "w9"}]
+    files = {key: tmp_path / f"{key}.jsonl" for key in ("prompt", "messages")}
+    for key, path in files.items():
+        path.write_text("".join(json.dumps({key: r, "answer": f"w{i}"}) + "\n" for i, r in enumerate(rows)))
+    as_prompt, as_messages = (P.load_prompts(str(path), P.Args(), tokenizer, None) for path in files.values())
+    assert vars(as_prompt) == vars(as_messages) and as_prompt.messages == [r[:1] for r in rows]
+    assert as_prompt.texts[0] == tokenizer.apply_chat_template(rows[0], tokenize=False, add_generation_prompt=True)
+    assert as_prompt.fields == {"answer": ["w0", "w1", "w2"]}
+    plain = AutoTokenizer.from_pretrained(tiny["gpt2"])  # no chat template
+    for path in files.values():
+        with pytest.raises(SystemExit) as exc:
+            P.load_prompts(str(path), P.Args(), plain, None)
+        assert str(exc.value) == ("error: --dataset has chat rows (`messages`, or a `prompt` of messages) but the "
+                                  "policy's tokenizer has no chat template")
+
+
 # ----------------------------------------------------------------------------------------------------------- end to end
 def check_run(output_dir, initial_path, metrics, value_init=None):
     assert metrics and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
@@ -1804,7 +1825,8 @@ def test_builtin_task_learns(tmp_path, capfd):
 
 
 def readme_python_blocks():
-    """The ```python snippets of the README's opening part: using the trained policy, plotting metrics.jsonl."""
+    """The ```python snippets of the README's opening part: using the trained policy, a trained chat model, plotting
+    metrics.jsonl."""
     return re.findall(r"```python\n(.*?)```", open(os.path.join(HERE, "README.md")).read().split("\n## ", 1)[0], re.S)
 
 
@@ -1831,9 +1853,40 @@ def test_the_readmes_snippet_using_the_trained_policy_runs(builtin_run, tmp_path
     assert result.stdout == tokenizer.decode(answer, skip_special_tokens=True) + "\n"
 
 
+def test_the_readmes_snippet_generating_with_a_trained_chat_model_runs(tiny, tmp_path):
+    """On a chat policy trained by the script (from a tokenizer without a pad token, <|im_end|> a stop id beside EOS
+    in generation_config.json) it prints the greedy answer's new tokens up to <|im_end|>, as P.generate answers. The
+    chat model first learns to answer the snippet's question `w7 <|im_end|> w8`: only a stop at <|im_end|> ends it."""
+    snippet = readme_python_blocks()[1]
+    messages = [{"role": "user", "content": "What is 12 times 12?"}]
+    assert "runs/ppo_rlhf__1__1764570000/policy" in snippet and json.dumps(messages) in snippet
+    tokenizer = AutoTokenizer.from_pretrained(tiny["chat"])
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text + "w7 <|im_end|> w8", add_special_tokens=False)["input_ids"]])
+    model = AutoModelForCausalLM.from_pretrained(tiny["chat"], dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(30):
+        F.cross_entropy(model(ids).logits[0, -4:-1], ids[0, -3:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    args = run_args(tiny, tmp_path, model_name_or_path=save_as_hub(model, tmp_path / "chat", tokenizer),
+                    reward_model_path=None, reward_fn=[f"{__file__}:chat_words"], dataset=tiny["chat_prompts"])
+    P.main(args)
+    folder = os.path.join(args.output_dir, "policy")
+    result = subprocess.run([sys.executable, "-c", snippet.replace("runs/ppo_rlhf__1__1764570000/policy", folder)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    policy = AutoModelForCausalLM.from_pretrained(folder)
+    query, mask = P.left_pad([ids[0, :-3].tolist()], 0)
+    with torch.no_grad():
+        answer = P.generate(policy, query, mask, 256, 0.0, policy.generation_config.eos_token_id, 0)[0][0]
+    assert answer.tolist() == tokenizer.convert_tokens_to_ids(["w7", "<|im_end|>"])  # stopped at the end of turn
+    assert result.stdout == tokenizer.decode(answer, skip_special_tokens=True) + "\n" == "w7\n"
+
+
 def test_the_readmes_snippet_plotting_the_metrics_runs(builtin_run, tmp_path):
     pytest.importorskip("matplotlib")  # an optional package
-    snippet = readme_python_blocks()[1].replace("runs/ppo_rlhf__1__1764570000", builtin_run)
+    snippet = readme_python_blocks()[2].replace("runs/ppo_rlhf__1__1764570000", builtin_run)
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})
     assert result.returncode == 0, result.stderr[-2000:]
