@@ -954,8 +954,8 @@ def check_configs(args, model_path):
     stored_dtypes = {path: stored_dtype(path, config) for path, config in sources.items()}  # for auto saves
     bf16_stored = [path for path, dtype in stored_dtypes.items() if dtype == torch.bfloat16]
     if args.dtype == "fp16" and bf16_stored and int(os.environ.get("RANK", 0)) == 0:
-        print(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype fp16 can overflow "
-              "where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
+        say(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype fp16 can overflow "
+            "where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
     return configs, reward_configs, stored_dtypes
 
 
@@ -1222,8 +1222,8 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     missing = [k for k in info["missing_keys"] if not (new_head and k.startswith("score."))]
     for kind, keys in (("missing from", missing), ("unused by", info["unexpected_keys"])):
         if keys:
-            print(f"warning: --{flag} {path!r}: {len(keys)} weights {kind} the checkpoint "
-                  f"({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})", file=sys.stderr)
+            say(f"warning: --{flag} {path!r}: {len(keys)} weights {kind} the checkpoint "
+                f"({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})", file=sys.stderr)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -2194,8 +2194,8 @@ STOP_SIGNALS = []  # (signal, time) appended by request_stop; main() checks it a
 
 
 def request_stop(signum, frame):
-    """SIGINT/SIGTERM: finish the current update, save a checkpoint, exit 0. A second signal more
-    than 1 s later exits at once; within 1 s it is the same request delivered twice (Ctrl-C under
+    """SIGINT/SIGTERM/SIGHUP: finish the current update, save a checkpoint, exit 0. A second signal
+    more than 1 s later exits at once; within 1 s it is the same request delivered twice (Ctrl-C under
     torchrun reaches a rank from the terminal and again from torchrun)."""
     if STOP_SIGNALS and time.monotonic() - STOP_SIGNALS[0][1] > 1.0:
         os._exit(128 + signum)
@@ -2203,8 +2203,7 @@ def request_stop(signum, frame):
         return
     STOP_SIGNALS.append((signum, time.monotonic()))
     if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank gets the signal; one notice
-        print(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr,
-              flush=True)
+        say(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr)
 
 
 # ------------------------------------- logging and metrics (systems: a first reading may skip this)
@@ -2212,6 +2211,18 @@ def json_line(metrics):
     """One line of strict JSON: a non-finite value (0/0 explained variance) is written as null."""
     return json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()},
                       allow_nan=False) + "\n"
+
+
+def say(*lines, file=None):
+    """print to file (stdout by default), flushed. A dead reader (EPIPE: `| tee` exited; EIO: the terminal
+    closed) must not end a run: the line is dropped and the stream's fd goes to os.devnull from then on."""
+    file = file or sys.stdout  # sys.stdout now, not at import
+    try:
+        print(*lines, file=file, flush=True)
+    except OSError:  # what is still buffered goes to os.devnull too, so Python's flush at exit cannot fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, file.fileno())
+        os.close(devnull)
 
 
 class Clock:
@@ -2379,7 +2390,7 @@ class Logger:
 
     def print(self, *lines, file=None):
         if self.rt.rank == 0:
-            print(*lines, file=file or sys.stdout, flush=True)  # sys.stdout now, not at import
+            say(*lines, file=file)
 
     def update(self, update, lr, metrics, token_counts, clock, batch, prompts, rows, samples=()):
         """One update into metrics.jsonl (with times, memory) and a line on stdout; sometimes
@@ -2442,5 +2453,7 @@ class Logger:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # a closed terminal; under nohup it stays ignored
+        signal.signal(signal.SIGHUP, request_stop)
     main(tyro.cli(Args))
     leave_process_group()

@@ -2116,14 +2116,15 @@ def DETERMINISTIC_KEYS(m):
     return {k: v for k, v in m.items() if not k.startswith(("time/", "memory/")) and k != "eps"}
 
 
-def cli_run(tiny, output_dir, *extra, cwd=None):
-    """The script on the tiny GPT-2 for 12 updates, a checkpoint after each; output_dir None: the default folder."""
+def cli_run(tiny, output_dir, *extra, cwd=None, stream=subprocess.PIPE):
+    """The script on the tiny GPT-2 for 12 updates, a checkpoint after each; output_dir None: the default folder;
+    stream: where stdout and stderr go (a pipe each, or one file descriptor for both)."""
     cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1",
            "--dataset", tiny["prompts"], *(["--output_dir", output_dir] if output_dir else []), "--total_episodes",
            "96", "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
            "--response_length", "6", "--learning_rate", "1e-3", "--num_sample_generations", "0", "--save_every", "1",
            "--eval_dataset", tiny["txt"], *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+    return subprocess.Popen(cmd, stdout=stream, stderr=stream, text=True, cwd=cwd,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
 
 
@@ -2244,6 +2245,44 @@ def test_a_signal_delivered_twice_is_one_stop_request_but_a_later_one_exits(monk
     P.STOP_SIGNALS[0] = (signal.SIGINT, time.monotonic() - 2)  # a second Ctrl-C 2 s later: leave now
     P.request_stop(signal.SIGINT, None)
     assert exits == [128 + signal.SIGINT]
+
+
+@pytest.mark.parametrize("output,sig", [("pipe", signal.SIGINT), ("pty", signal.SIGHUP)], ids=["pipe", "pty"])
+def test_a_run_whose_output_is_gone_stops_saves_and_resumes_bit_identically(tiny, tmp_path, output, sig, straight):
+    """`... 2>&1 | tee log`, then Ctrl-C: tee exits, then every write fails (EPIPE); a closed terminal: SIGHUP, and
+    writes fail (EIO). The run drops those lines, saves a checkpoint after the update it finishes (--save_every 0:
+    the only one), exits 0, and resumes as if it had not stopped."""
+    import pty
+    stopped = str(tmp_path / "stopped")
+    if output == "pipe":
+        process = cli_run(tiny, stopped, "--save_every", "0")
+        reader = process.stdout
+    else:  # stdout and stderr on a pseudo-terminal, whose master side the test holds
+        master, slave = pty.openpty()
+        process = cli_run(tiny, stopped, "--save_every", "0", stream=slave)
+        os.close(slave)
+        reader = open(master, errors="replace")
+    for line in reader:  # the first update line: the run is under way
+        if line.startswith("update "):
+            break
+    reader.close()  # the pipe's reader exits, or the terminal closes
+    if process.stderr:
+        process.stderr.close()
+    process.send_signal(sig)
+    assert process.wait(timeout=300) == 0
+    stopped_at = len(read_metrics(stopped))
+    checkpoint = os.path.join(stopped, f"checkpoint-{stopped_at:06d}")
+    assert P.list_checkpoints(stopped) == [checkpoint] and 1 <= stopped_at < 12
+    assert not os.path.exists(os.path.join(stopped, "policy"))
+    resumed = cli_run(tiny, stopped, "--resume", "auto")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and f"resumed from {checkpoint} after update {stopped_at}" in out, err
+    a, b = read_metrics(straight()), read_metrics(stopped)
+    assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b]
+    wa, wb = final_weights(straight()), final_weights(stopped)
+    assert list(wa) == list(wb) == ["policy", "value_model"]
+    assert all(wa[name].keys() == wb[name].keys() and all(torch.equal(wa[name][k], wb[name][k]) for k in wa[name])
+               for name in wa)
 
 
 def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
