@@ -916,8 +916,8 @@ def check_output(args, output_dir):
     if not os.access(parent, os.W_OK):
         fail(f"--output_dir {output_dir!r} cannot be written ({parent!r} is not writable)")
     if os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and not args.resume:
-        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto or choose another "
-             "--output_dir")
+        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto (it continues the "
+             "run, or with no checkpoint sets its metrics.jsonl aside and starts over) or choose another --output_dir")
     if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
         fail(f"--resume {args.resume!r} is not a checkpoint folder (no state.pt); give one, or `auto`")
     if args.track:
@@ -2130,9 +2130,9 @@ def no_progress(args):
 
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
-    """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning,
-    never half-loaded), and drop the lines of later updates from metrics.jsonl and samples.jsonl (no
-    duplicate, no gap). -> (first update to run, the loop's progress: see no_progress)."""
+    """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
+    and drop the lines of later updates from metrics.jsonl and samples.jsonl (no duplicate, no gap); with none, set
+    a crashed run's aside. -> (first update to run, the loop's progress: see no_progress)."""
     if not args.resume:
         return 0, no_progress(args)
     metrics_path, auto = os.path.join(output_dir, "metrics.jsonl"), args.resume == "auto"
@@ -2150,9 +2150,14 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
             if not auto or i == len(candidates) - 1:
                 fail(f"--resume {path!r} cannot be loaded: {reason}")
             log.print(f"warning: skipping damaged checkpoint {path}: {reason}", file=sys.stderr)
-    if not candidates and os.path.exists(metrics_path):
-        fail(f"--resume auto: {output_dir!r} has metrics.jsonl but no checkpoint to resume from")
-    if not candidates:
+    if not candidates and os.path.exists(metrics_path):  # a run that crashed before its first checkpoint
+        stale = f".stale-{int(time.time())}"  # its logs are kept under this suffix, not deleted
+        for path in (metrics_path, os.path.join(output_dir, "samples.jsonl")) if rt.rank == 0 else ():
+            if os.path.exists(path):
+                os.replace(path, path + stale)
+        log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed run): set aside as "
+                  f"metrics.jsonl{stale}, starting over at update 1")
+    elif not candidates:
         log.print(f"--resume auto: no checkpoint in {output_dir}, nothing to resume: starting at update 1")
     if all_ranks_sum(torch.tensor([start_update], device=rt.device)).item() != start_update * rt.world_size:
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "

@@ -2072,18 +2072,6 @@ def test_a_hint_is_printed_the_first_time_it_fires_whatever_the_window(tiny, tmp
     assert printed == (fired if health_window == 1 else fired[:1])
 
 
-def test_resume_auto_without_a_checkpoint_keeps_the_runs_log(tiny, tmp_path):
-    """--resume auto on a folder with metrics.jsonl but no checkpoint stops in one line; it does not start over (which
-    would cut metrics.jsonl back to nothing)."""
-    args = run_args(tiny, tmp_path, total_episodes=16)
-    P.main(args)
-    before = open(os.path.join(args.output_dir, "metrics.jsonl")).read()
-    with pytest.raises(SystemExit, match="--resume auto: .* has metrics.jsonl but no checkpoint") as exc:
-        P.main(dataclasses.replace(args, resume="auto"))
-    assert "\n" not in str(exc.value) and len(before.splitlines()) == 2
-    assert open(os.path.join(args.output_dir, "metrics.jsonl")).read() == before
-
-
 def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
     args = run_args(tiny, tmp_path, total_episodes=8, per_device_train_batch_size=8)
     P.main(args)
@@ -2283,6 +2271,28 @@ def test_a_run_whose_output_is_gone_stops_saves_and_resumes_bit_identically(tiny
     assert list(wa) == list(wb) == ["policy", "value_model"]
     assert all(wa[name].keys() == wb[name].keys() and all(torch.equal(wa[name][k], wb[name][k]) for k in wa[name])
                for name in wa)
+
+
+def test_resume_auto_on_a_crashed_run_sets_its_metrics_aside_and_starts_over(tiny, tmp_path, capsys):
+    """A run that crashed before any checkpoint (here: non-finite losses) leaves metrics.jsonl: a rerun is refused
+    naming --resume auto, which keeps that log as metrics.jsonl.stale-<time> and runs as a new run would."""
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:huge_score"], total_episodes=24)
+    with pytest.raises(SystemExit, match="non-finite"):  # at update 3, with updates 1 and 2 logged
+        P.main(args)
+    crashed = open(os.path.join(args.output_dir, "metrics.jsonl")).read()
+    args = dataclasses.replace(args, reward_fn=[f"{__file__}:count_w1"], total_episodes=16)
+    with pytest.raises(SystemExit, match="pass --resume auto .* sets its metrics.jsonl aside and starts over"):
+        P.main(args)
+    capsys.readouterr()
+    P.main(dataclasses.replace(args, resume="auto"))
+    stale = glob.glob(os.path.join(args.output_dir, "metrics.jsonl.stale-*"))
+    assert len(stale) == 1 and open(stale[0]).read() == crashed and len(crashed.splitlines()) == 2
+    assert f"set aside as {os.path.basename(stale[0])}, starting over at update 1" in capsys.readouterr().out
+    fresh = dataclasses.replace(args, output_dir=str(tmp_path / "fresh"))
+    P.main(fresh)
+    assert [DETERMINISTIC_KEYS(m) for m in read_metrics(args.output_dir)] == [
+        DETERMINISTIC_KEYS(m) for m in read_metrics(fresh.output_dir)]
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
 
 
 def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
