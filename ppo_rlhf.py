@@ -698,6 +698,8 @@ def main(args: Args):
     model_path, dataset, eval_dataset = builtin_task(args)  # before the process group
     rt = start_processes(args)  # torchrun: join the process group; device and precision
     output_dir = from_rank_0(args.output_dir or default_output_dir(args))
+    if run_complete(args, output_dir, rt):  # --resume auto on a finished run: it says so, nothing is redone
+        return None
     inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # before models load
     prompts = inputs.prompts
     random.seed(args.seed)
@@ -792,7 +794,7 @@ def main(args: Args):
                 log.print(f"saved {saved}; continue with the same flags plus: --output_dir {output_dir} "
                           "--resume auto")
                 return log.last
-    written = save_final(model, models, args, output_dir, rt)
+    written = save_final(model, models, args, output_dir, rt, sizes.num_updates)
     log.finish(f"saved {written} to {output_dir}")
     return log.last
 
@@ -1977,9 +1979,9 @@ def full_state_dict(model, optimizer=None):
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def save_final(model, models, args, output_dir, rt):
+def save_final(model, models, args, output_dir, rt, num_updates):
     """The trained models as from_pretrained folders in --save_dtype (LoRA: fp32 adapters naming
-    their base; --merge_lora: policy_merged/). -> e.g. "policy and value model (fp32)"."""
+    their base; --merge_lora: policy_merged/), then complete.json. -> e.g. "policy and value model (fp32)"."""
     weights, written = full_state_dict(model), {}
     for name, part in (("policy", models.policy), ("value_model", models.value_model)) if rt.rank == 0 else ():
         if part is None:  # a value-free estimator has no value model
@@ -2015,7 +2017,11 @@ def save_final(model, models, args, output_dir, rt):
             save_folder(os.path.join(output_dir, "policy_merged"), merge)
             written["merged policy"] = dtype_name(dtype)
     by_dtype = {d: [w for w in written if written[w] == d] for d in written.values()}
-    return ", ".join(f"{' and '.join(names)} ({d})" for d, names in by_dtype.items())
+    saved = ", ".join(f"{' and '.join(names)} ({d})" for d, names in by_dtype.items())
+    if rt.rank == 0:  # the completion marker, after the models: --resume auto reads it (run_complete)
+        with open(os.path.join(output_dir, "complete.json"), "w") as f:
+            json.dump({"updates": num_updates, "saved": saved}, f)
+    return saved
 
 
 def dtype_name(dtype):
@@ -2172,13 +2178,28 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
     return start_update, progress
 
 
+def run_complete(args, output_dir, rt):
+    """--resume auto on a run whose final save wrote complete.json: say so, and what it saved. -> whether it is
+    complete, on every rank (rank 0's view of the folder decides)."""
+    path, marker = os.path.join(output_dir, "complete.json"), None
+    if args.resume == "auto" and os.path.isfile(path):
+        with open(path) as f:
+            marker = json.load(f)
+    marker = from_rank_0(marker)
+    if marker and rt.rank == 0:
+        say(f"--resume auto: {output_dir} holds a complete run of {marker['updates']} updates, nothing to resume; "
+            f"saved there: {marker['saved']}")
+    return marker is not None
+
+
 def default_output_dir(args):
     """runs/<exp_name>__<seed>__<unix time>; with --resume auto, the newest such folder of this
-    --exp_name and --seed that holds a checkpoint (if any)."""
+    --exp_name and --seed that holds a checkpoint or a finished run (if any)."""
     prefix = f"{args.exp_name}__{args.seed}__"
     if args.resume == "auto" and os.path.isdir("runs"):
-        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
-                and list_checkpoints(os.path.join("runs", d))]
+        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()]
+        runs = [d for d in runs if list_checkpoints(os.path.join("runs", d))
+                or os.path.isfile(os.path.join("runs", d, "complete.json"))]  # stopped, or finished: says so
         if runs:
             return os.path.join("runs", max(runs, key=lambda d: int(d[len(prefix):])))
     return f"runs/{prefix}{int(time.time())}"

@@ -2273,6 +2273,29 @@ def test_a_run_whose_output_is_gone_stops_saves_and_resumes_bit_identically(tiny
                for name in wa)
 
 
+def test_resume_auto_on_a_finished_run_says_it_is_complete_and_redoes_nothing(tiny, tmp_path, monkeypatch, capsys):
+    """In its --output_dir with a checkpoint left (without the marker it would redo update 3 and rewrite policy/), and
+    in its default folder with none (found by the marker alone: no new folder)."""
+    monkeypatch.chdir(tmp_path)
+    for output_dir, save_every in ((str(tmp_path / "run"), 1), (None, 0)):
+        args = run_args(tiny, tmp_path, output_dir=output_dir, total_episodes=24, save_every=save_every)
+        P.main(args)
+        folder = output_dir or glob.glob(os.path.join("runs", "ppo_rlhf__1__*"))[0]
+        with open(os.path.join(folder, "complete.json")) as f:
+            marker = json.load(f)
+        assert marker["updates"] == 3 and f"saved {marker['saved']} to {folder}" in capsys.readouterr().out
+
+        def files():  # name -> (inode, mtime): a file or folder rewritten (save_folder swaps one in) differs
+            stats = {n: os.stat(os.path.join(folder, n)) for n in os.listdir(folder)}
+            return {n: (s.st_ino, s.st_mtime_ns) for n, s in stats.items()}
+        before, metrics = files(), open(os.path.join(folder, "metrics.jsonl")).read()
+        assert P.main(dataclasses.replace(args, resume="auto")) is None
+        assert capsys.readouterr().out == (f"--resume auto: {folder} holds a complete run of 3 updates, nothing to "
+                                           f"resume; saved there: {marker['saved']}\n")
+        assert files() == before and open(os.path.join(folder, "metrics.jsonl")).read() == metrics
+    assert len(os.listdir("runs")) == 1
+
+
 def test_resume_auto_on_a_crashed_run_sets_its_metrics_aside_and_starts_over(tiny, tmp_path, capsys):
     """A run that crashed before any checkpoint (here: non-finite losses) leaves metrics.jsonl: a rerun is refused
     naming --resume auto, which keeps that log as metrics.jsonl.stale-<time> and runs as a new run would."""
@@ -2308,13 +2331,14 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit, match="--resume") as exc:
         P.main(dataclasses.replace(args, resume=newest))
     assert "\n" not in str(exc.value)
+    os.remove(os.path.join(args.output_dir, "complete.json"))  # as if stopped before its end: auto resumes it
     P.main(dataclasses.replace(args, resume="auto"))
     assert "skipping damaged checkpoint" in capsys.readouterr().err
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
     samples = read_lines(os.path.join(args.output_dir, "samples.jsonl"))  # update 3's, once: cut back, then redone
     assert [x["update"] for x in samples] == sorted(x["update"] for x in samples) and len(samples) == 3 * 3
     with pytest.raises(SystemExit, match="--learning_rate"):  # a checkpoint of another config is refused
-        P.main(dataclasses.replace(args, resume="auto", learning_rate=5e-4))
+        P.main(dataclasses.replace(args, resume=newest, learning_rate=5e-4))
 
 
 def test_every_run_only_field_is_a_field_and_a_checkpoint_predating_a_flag_resumes_with_its_default(tiny, tmp_path):
@@ -2384,8 +2408,8 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode, rep
     assert result.stdout.count("update 1/2 ") == 1 and "2 processes" in result.stdout  # rank 0 alone prints
     replayed = [{k: v for k, v in m.items() if v is not None or not k.startswith("replay/")} for m in metrics]
     check_run(out, tiny["gpt2"], replayed, value_init=tiny["gpt2_rm"])  # null: nothing replayed at update 1
-    assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "metrics.jsonl", "policy",
-                                       "value_model"]
+    assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "complete.json", "metrics.jsonl",
+                                       "policy", "value_model"]
     state = torch.load(os.path.join(out, "checkpoint-000002", "state.pt"), weights_only=True)
     if replay:  # rank r's buffer: its rows of updates 1 and 2, by update
         assert [[b["update"] for b in rank] for rank in state["replay"]] == [[0, 1], [0, 1]]
@@ -3022,8 +3046,9 @@ def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, mo
     assert not torch.allclose(calls[-1][1][mask], batch["ref_logprobs"][mask], atol=1e-3)  # the adapter moved
     state = torch.load(os.path.join(args.output_dir, "checkpoint-000002", "state.pt"), weights_only=True)["model"]
     assert state and all(".lora_" in k or ".modules_to_save." in k for k in state)
-    assert sorted(os.listdir(args.output_dir)) == ["checkpoint-000002", "metrics.jsonl", "policy", "policy_merged",
-                                                   "samples.jsonl", "value_model"]  # the base: the tiny model's folder
+    assert sorted(os.listdir(args.output_dir)) == ["checkpoint-000002", "complete.json", "metrics.jsonl", "policy",
+                                                   "policy_merged", "samples.jsonl",
+                                                   "value_model"]  # the base: the tiny model's folder
     policy_dir = os.path.join(args.output_dir, "policy")
     assert P.adapter_base(policy_dir) == tiny[arch]
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny[arch], dtype=torch.float32),
