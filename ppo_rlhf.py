@@ -705,6 +705,8 @@ def main(args: Args):
     model_path, dataset, eval_dataset = builtin_task(args)  # before the process group
     rt = start_processes(args)  # torchrun: join the process group; device and precision
     output_dir = from_rank_0(args.output_dir or default_output_dir(args))
+    if run_complete(args, output_dir, rt):  # --resume auto on a finished run: it says so, nothing is redone
+        return None
     inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # before models load
     prompts = inputs.prompts
     random.seed(args.seed)
@@ -799,7 +801,7 @@ def main(args: Args):
                 log.print(f"saved {saved}; continue with the same flags plus: --output_dir {output_dir} "
                           "--resume auto")
                 return log.last
-    written = save_final(model, models, args, output_dir, rt)
+    written = save_final(model, models, args, output_dir, rt, sizes.num_updates)
     log.finish(f"saved {written} to {output_dir}")
     return log.last
 
@@ -939,8 +941,8 @@ def check_output(args, output_dir):
     if not os.access(parent, os.W_OK):
         fail(f"--output_dir {output_dir!r} cannot be written ({parent!r} is not writable)")
     if os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and not args.resume:
-        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto or choose another "
-             "--output_dir")
+        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto (it continues the "
+             "run, or with no checkpoint sets its metrics.jsonl aside and starts over) or choose another --output_dir")
     if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
         fail(f"--resume {args.resume!r} is not a checkpoint folder (no state.pt); give one, or `auto`")
     if args.track:
@@ -977,8 +979,8 @@ def check_configs(args, model_path):
     stored_dtypes = {path: stored_dtype(path, config) for path, config in sources.items()}  # for auto saves
     bf16_stored = [path for path, dtype in stored_dtypes.items() if dtype == torch.bfloat16]
     if args.dtype == "fp16" and bf16_stored and int(os.environ.get("RANK", 0)) == 0:
-        print(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype fp16 can overflow "
-              "where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
+        say(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype fp16 can overflow "
+            "where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
     return configs, reward_configs, stored_dtypes
 
 
@@ -1245,8 +1247,8 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     missing = [k for k in info["missing_keys"] if not (new_head and k.startswith("score."))]
     for kind, keys in (("missing from", missing), ("unused by", info["unexpected_keys"])):
         if keys:
-            print(f"warning: --{flag} {path!r}: {len(keys)} weights {kind} the checkpoint "
-                  f"({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})", file=sys.stderr)
+            say(f"warning: --{flag} {path!r}: {len(keys)} weights {kind} the checkpoint "
+                f"({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})", file=sys.stderr)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -2009,9 +2011,9 @@ def full_state_dict(model, optimizer=None):
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def save_final(model, models, args, output_dir, rt):
+def save_final(model, models, args, output_dir, rt, num_updates):
     """The trained models as from_pretrained folders in --save_dtype (LoRA: fp32 adapters naming
-    their base; --merge_lora: policy_merged/). -> e.g. "policy and value model (fp32)"."""
+    their base; --merge_lora: policy_merged/), then complete.json. -> e.g. "policy and value model (fp32)"."""
     weights, written = full_state_dict(model), {}
     for name, part in (("policy", models.policy), ("value_model", models.value_model)) if rt.rank == 0 else ():
         if part is None:  # a value-free estimator has no value model
@@ -2047,7 +2049,11 @@ def save_final(model, models, args, output_dir, rt):
             save_folder(os.path.join(output_dir, "policy_merged"), merge)
             written["merged policy"] = dtype_name(dtype)
     by_dtype = {d: [w for w in written if written[w] == d] for d in written.values()}
-    return ", ".join(f"{' and '.join(names)} ({d})" for d, names in by_dtype.items())
+    saved = ", ".join(f"{' and '.join(names)} ({d})" for d, names in by_dtype.items())
+    if rt.rank == 0:  # the completion marker, after the models: --resume auto reads it (run_complete)
+        with open(os.path.join(output_dir, "complete.json"), "w") as f:
+            json.dump({"updates": num_updates, "saved": saved}, f)
+    return saved
 
 
 def dtype_name(dtype):
@@ -2164,9 +2170,9 @@ def no_progress(args):
 
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
-    """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning,
-    never half-loaded), and drop the lines of later updates from metrics.jsonl and samples.jsonl (no
-    duplicate, no gap). -> (first update to run, the loop's progress: see no_progress)."""
+    """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
+    and drop the lines of later updates from metrics.jsonl and samples.jsonl (no duplicate, no gap); with none, set
+    a crashed run's aside. -> (first update to run, the loop's progress: see no_progress)."""
     if not args.resume:
         return 0, no_progress(args)
     metrics_path, auto = os.path.join(output_dir, "metrics.jsonl"), args.resume == "auto"
@@ -2184,9 +2190,14 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
             if not auto or i == len(candidates) - 1:
                 fail(f"--resume {path!r} cannot be loaded: {reason}")
             log.print(f"warning: skipping damaged checkpoint {path}: {reason}", file=sys.stderr)
-    if not candidates and os.path.exists(metrics_path):
-        fail(f"--resume auto: {output_dir!r} has metrics.jsonl but no checkpoint to resume from")
-    if not candidates:
+    if not candidates and os.path.exists(metrics_path):  # a run that crashed before its first checkpoint
+        stale = f".stale-{int(time.time())}"  # its logs are kept under this suffix, not deleted
+        for path in (metrics_path, os.path.join(output_dir, "samples.jsonl")) if rt.rank == 0 else ():
+            if os.path.exists(path):
+                os.replace(path, path + stale)
+        log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed run): set aside as "
+                  f"metrics.jsonl{stale}, starting over at update 1")
+    elif not candidates:
         log.print(f"--resume auto: no checkpoint in {output_dir}, nothing to resume: starting at update 1")
     if all_ranks_sum(torch.tensor([start_update], device=rt.device)).item() != start_update * rt.world_size:
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
@@ -2201,13 +2212,28 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
     return start_update, progress
 
 
+def run_complete(args, output_dir, rt):
+    """--resume auto on a run whose final save wrote complete.json: say so, and what it saved. -> whether it is
+    complete, on every rank (rank 0's view of the folder decides)."""
+    path, marker = os.path.join(output_dir, "complete.json"), None
+    if args.resume == "auto" and os.path.isfile(path):
+        with open(path) as f:
+            marker = json.load(f)
+    marker = from_rank_0(marker)
+    if marker and rt.rank == 0:
+        say(f"--resume auto: {output_dir} holds a complete run of {marker['updates']} updates, nothing to resume; "
+            f"saved there: {marker['saved']}")
+    return marker is not None
+
+
 def default_output_dir(args):
     """runs/<exp_name>__<seed>__<unix time>; with --resume auto, the newest such folder of this
-    --exp_name and --seed that holds a checkpoint (if any)."""
+    --exp_name and --seed that holds a checkpoint or a finished run (if any)."""
     prefix = f"{args.exp_name}__{args.seed}__"
     if args.resume == "auto" and os.path.isdir("runs"):
-        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
-                and list_checkpoints(os.path.join("runs", d))]
+        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()]
+        runs = [d for d in runs if list_checkpoints(os.path.join("runs", d))
+                or os.path.isfile(os.path.join("runs", d, "complete.json"))]  # stopped, or finished: says so
         if runs:
             return os.path.join("runs", max(runs, key=lambda d: int(d[len(prefix):])))
     return f"runs/{prefix}{int(time.time())}"
@@ -2228,8 +2254,8 @@ STOP_SIGNALS = []  # (signal, time) appended by request_stop; main() checks it a
 
 
 def request_stop(signum, frame):
-    """SIGINT/SIGTERM: finish the current update, save a checkpoint, exit 0. A second signal more
-    than 1 s later exits at once; within 1 s it is the same request delivered twice (Ctrl-C under
+    """SIGINT/SIGTERM/SIGHUP: finish the current update, save a checkpoint, exit 0. A second signal
+    more than 1 s later exits at once; within 1 s it is the same request delivered twice (Ctrl-C under
     torchrun reaches a rank from the terminal and again from torchrun)."""
     if STOP_SIGNALS and time.monotonic() - STOP_SIGNALS[0][1] > 1.0:
         os._exit(128 + signum)
@@ -2237,8 +2263,7 @@ def request_stop(signum, frame):
         return
     STOP_SIGNALS.append((signum, time.monotonic()))
     if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank gets the signal; one notice
-        print(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr,
-              flush=True)
+        say(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr)
 
 
 # ------------------------------------- logging and metrics (systems: a first reading may skip this)
@@ -2246,6 +2271,18 @@ def json_line(metrics):
     """One line of strict JSON: a non-finite value (0/0 explained variance) is written as null."""
     return json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()},
                       allow_nan=False) + "\n"
+
+
+def say(*lines, file=None):
+    """print to file (stdout by default), flushed. A dead reader (EPIPE: `| tee` exited; EIO: the terminal
+    closed) must not end a run: the line is dropped and the stream's fd goes to os.devnull from then on."""
+    file = file or sys.stdout  # sys.stdout now, not at import
+    try:
+        print(*lines, file=file, flush=True)
+    except OSError:  # what is still buffered goes to os.devnull too, so Python's flush at exit cannot fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, file.fileno())
+        os.close(devnull)
 
 
 class Clock:
@@ -2423,7 +2460,7 @@ class Logger:
 
     def print(self, *lines, file=None):
         if self.rt.rank == 0:
-            print(*lines, file=file or sys.stdout, flush=True)  # sys.stdout now, not at import
+            say(*lines, file=file)
 
     def update(self, update, lr, metrics, token_counts, clock, batch, prompts, rows, samples=()):
         """One update into metrics.jsonl (with times, memory) and a line on stdout; sometimes
@@ -2486,5 +2523,7 @@ class Logger:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # a closed terminal; under nohup it stays ignored
+        signal.signal(signal.SIGHUP, request_stop)
     main(tyro.cli(Args))
     leave_process_group()

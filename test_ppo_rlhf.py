@@ -2276,18 +2276,6 @@ def test_a_hint_is_printed_the_first_time_it_fires_whatever_the_window(tiny, tmp
     assert printed == (fired if health_window == 1 else fired[:1])
 
 
-def test_resume_auto_without_a_checkpoint_keeps_the_runs_log(tiny, tmp_path):
-    """--resume auto on a folder with metrics.jsonl but no checkpoint stops in one line; it does not start over (which
-    would cut metrics.jsonl back to nothing)."""
-    args = run_args(tiny, tmp_path, total_episodes=16)
-    P.main(args)
-    before = open(os.path.join(args.output_dir, "metrics.jsonl")).read()
-    with pytest.raises(SystemExit, match="--resume auto: .* has metrics.jsonl but no checkpoint") as exc:
-        P.main(dataclasses.replace(args, resume="auto"))
-    assert "\n" not in str(exc.value) and len(before.splitlines()) == 2
-    assert open(os.path.join(args.output_dir, "metrics.jsonl")).read() == before
-
-
 def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
     args = run_args(tiny, tmp_path, total_episodes=8, per_device_train_batch_size=8)
     P.main(args)
@@ -2459,14 +2447,15 @@ def DETERMINISTIC_KEYS(m):
     return {k: v for k, v in m.items() if not k.startswith(("time/", "memory/")) and k != "eps"}
 
 
-def cli_run(tiny, output_dir, *extra, cwd=None):
-    """The script on the tiny GPT-2 for 12 updates, a checkpoint after each; output_dir None: the default folder."""
+def cli_run(tiny, output_dir, *extra, cwd=None, stream=subprocess.PIPE):
+    """The script on the tiny GPT-2 for 12 updates, a checkpoint after each; output_dir None: the default folder;
+    stream: where stdout and stderr go (a pipe each, or one file descriptor for both)."""
     cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1",
            "--dataset", tiny["prompts"], *(["--output_dir", output_dir] if output_dir else []), "--total_episodes",
            "96", "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
            "--response_length", "6", "--learning_rate", "1e-3", "--num_sample_generations", "0", "--save_every", "1",
            "--eval_dataset", tiny["txt"], *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+    return subprocess.Popen(cmd, stdout=stream, stderr=stream, text=True, cwd=cwd,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
 
 
@@ -2600,6 +2589,89 @@ def test_a_signal_delivered_twice_is_one_stop_request_but_a_later_one_exits(monk
     assert exits == [128 + signal.SIGINT]
 
 
+@pytest.mark.parametrize("output,sig", [("pipe", signal.SIGINT), ("pty", signal.SIGHUP)], ids=["pipe", "pty"])
+def test_a_run_whose_output_is_gone_stops_saves_and_resumes_bit_identically(tiny, tmp_path, output, sig, straight):
+    """`... 2>&1 | tee log`, then Ctrl-C: tee exits, then every write fails (EPIPE); a closed terminal: SIGHUP, and
+    writes fail (EIO). The run drops those lines, saves a checkpoint after the update it finishes (--save_every 0:
+    the only one), exits 0, and resumes as if it had not stopped."""
+    import pty
+    stopped = str(tmp_path / "stopped")
+    if output == "pipe":
+        process = cli_run(tiny, stopped, "--save_every", "0")
+        reader = process.stdout
+    else:  # stdout and stderr on a pseudo-terminal, whose master side the test holds
+        master, slave = pty.openpty()
+        process = cli_run(tiny, stopped, "--save_every", "0", stream=slave)
+        os.close(slave)
+        reader = open(master, errors="replace")
+    for line in reader:  # the first update line: the run is under way
+        if line.startswith("update "):
+            break
+    reader.close()  # the pipe's reader exits, or the terminal closes
+    if process.stderr:
+        process.stderr.close()
+    process.send_signal(sig)
+    assert process.wait(timeout=300) == 0
+    stopped_at = len(read_metrics(stopped))
+    checkpoint = os.path.join(stopped, f"checkpoint-{stopped_at:06d}")
+    assert P.list_checkpoints(stopped) == [checkpoint] and 1 <= stopped_at < 12
+    assert not os.path.exists(os.path.join(stopped, "policy"))
+    resumed = cli_run(tiny, stopped, "--resume", "auto")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and f"resumed from {checkpoint} after update {stopped_at}" in out, err
+    a, b = read_metrics(straight()), read_metrics(stopped)
+    assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b]
+    wa, wb = final_weights(straight()), final_weights(stopped)
+    assert list(wa) == list(wb) == ["policy", "value_model"]
+    assert all(wa[name].keys() == wb[name].keys() and all(torch.equal(wa[name][k], wb[name][k]) for k in wa[name])
+               for name in wa)
+
+
+def test_resume_auto_on_a_finished_run_says_it_is_complete_and_redoes_nothing(tiny, tmp_path, monkeypatch, capsys):
+    """In its --output_dir with a checkpoint left (without the marker it would redo update 3 and rewrite policy/), and
+    in its default folder with none (found by the marker alone: no new folder)."""
+    monkeypatch.chdir(tmp_path)
+    for output_dir, save_every in ((str(tmp_path / "run"), 1), (None, 0)):
+        args = run_args(tiny, tmp_path, output_dir=output_dir, total_episodes=24, save_every=save_every)
+        P.main(args)
+        folder = output_dir or glob.glob(os.path.join("runs", "ppo_rlhf__1__*"))[0]
+        with open(os.path.join(folder, "complete.json")) as f:
+            marker = json.load(f)
+        assert marker["updates"] == 3 and f"saved {marker['saved']} to {folder}" in capsys.readouterr().out
+
+        def files():  # name -> (inode, mtime): a file or folder rewritten (save_folder swaps one in) differs
+            stats = {n: os.stat(os.path.join(folder, n)) for n in os.listdir(folder)}
+            return {n: (s.st_ino, s.st_mtime_ns) for n, s in stats.items()}
+        before, metrics = files(), open(os.path.join(folder, "metrics.jsonl")).read()
+        assert P.main(dataclasses.replace(args, resume="auto")) is None
+        assert capsys.readouterr().out == (f"--resume auto: {folder} holds a complete run of 3 updates, nothing to "
+                                           f"resume; saved there: {marker['saved']}\n")
+        assert files() == before and open(os.path.join(folder, "metrics.jsonl")).read() == metrics
+    assert len(os.listdir("runs")) == 1
+
+
+def test_resume_auto_on_a_crashed_run_sets_its_metrics_aside_and_starts_over(tiny, tmp_path, capsys):
+    """A run that crashed before any checkpoint (here: non-finite losses) leaves metrics.jsonl: a rerun is refused
+    naming --resume auto, which keeps that log as metrics.jsonl.stale-<time> and runs as a new run would."""
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:huge_score"], total_episodes=24)
+    with pytest.raises(SystemExit, match="non-finite"):  # at update 3, with updates 1 and 2 logged
+        P.main(args)
+    crashed = open(os.path.join(args.output_dir, "metrics.jsonl")).read()
+    args = dataclasses.replace(args, reward_fn=[f"{__file__}:count_w1"], total_episodes=16)
+    with pytest.raises(SystemExit, match="pass --resume auto .* sets its metrics.jsonl aside and starts over"):
+        P.main(args)
+    capsys.readouterr()
+    P.main(dataclasses.replace(args, resume="auto"))
+    stale = glob.glob(os.path.join(args.output_dir, "metrics.jsonl.stale-*"))
+    assert len(stale) == 1 and open(stale[0]).read() == crashed and len(crashed.splitlines()) == 2
+    assert f"set aside as {os.path.basename(stale[0])}, starting over at update 1" in capsys.readouterr().out
+    fresh = dataclasses.replace(args, output_dir=str(tmp_path / "fresh"))
+    P.main(fresh)
+    assert [DETERMINISTIC_KEYS(m) for m in read_metrics(args.output_dir)] == [
+        DETERMINISTIC_KEYS(m) for m in read_metrics(fresh.output_dir)]
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
+
+
 def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
     args = run_args(tiny, tmp_path, total_episodes=24, save_every=1,  # 3 updates; checkpoints 2 and 3 are kept
                     eval_dataset=tiny["txt"], num_sample_generations=3)  # an evaluation after each update
@@ -2613,13 +2685,14 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit, match="--resume") as exc:
         P.main(dataclasses.replace(args, resume=newest))
     assert "\n" not in str(exc.value)
+    os.remove(os.path.join(args.output_dir, "complete.json"))  # as if stopped before its end: auto resumes it
     P.main(dataclasses.replace(args, resume="auto"))
     assert "skipping damaged checkpoint" in capsys.readouterr().err
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
     samples = read_lines(os.path.join(args.output_dir, "samples.jsonl"))  # update 3's, once: cut back, then redone
     assert [x["update"] for x in samples] == sorted(x["update"] for x in samples) and len(samples) == 3 * 3
     with pytest.raises(SystemExit, match="--learning_rate"):  # a checkpoint of another config is refused
-        P.main(dataclasses.replace(args, resume="auto", learning_rate=5e-4))
+        P.main(dataclasses.replace(args, resume=newest, learning_rate=5e-4))
 
 
 def test_every_run_only_field_is_a_field_and_a_checkpoint_predating_a_flag_resumes_with_its_default(tiny, tmp_path):
@@ -2689,8 +2762,8 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode, rep
     assert result.stdout.count("update 1/2 ") == 1 and "2 processes" in result.stdout  # rank 0 alone prints
     replayed = [{k: v for k, v in m.items() if v is not None or not k.startswith("replay/")} for m in metrics]
     check_run(out, tiny["gpt2"], replayed, value_init=tiny["gpt2_rm"])  # null: nothing replayed at update 1
-    assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "metrics.jsonl", "policy",
-                                       "value_model"]
+    assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "complete.json", "metrics.jsonl",
+                                       "policy", "value_model"]
     state = torch.load(os.path.join(out, "checkpoint-000002", "state.pt"), weights_only=True)
     if replay:  # rank r's buffer: its rows of updates 1 and 2, by update
         assert [[b["update"] for b in rank] for rank in state["replay"]] == [[0, 1], [0, 1]]
@@ -3410,8 +3483,9 @@ def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, mo
     assert not torch.allclose(calls[-1][1][mask], batch["ref_logprobs"][mask], atol=1e-3)  # the adapter moved
     state = torch.load(os.path.join(args.output_dir, "checkpoint-000002", "state.pt"), weights_only=True)["model"]
     assert state and all(".lora_" in k or ".modules_to_save." in k for k in state)
-    assert sorted(os.listdir(args.output_dir)) == ["checkpoint-000002", "metrics.jsonl", "policy", "policy_merged",
-                                                   "samples.jsonl", "value_model"]  # the base: the tiny model's folder
+    assert sorted(os.listdir(args.output_dir)) == ["checkpoint-000002", "complete.json", "metrics.jsonl", "policy",
+                                                   "policy_merged", "samples.jsonl",
+                                                   "value_model"]  # the base: the tiny model's folder
     policy_dir = os.path.join(args.output_dir, "policy")
     assert P.adapter_base(policy_dir) == tiny[arch]
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny[arch], dtype=torch.float32),
