@@ -841,7 +841,8 @@ def test_a_chat_model_without_a_pad_token_is_saved_as_it_came(tiny, tmp_path):
     args = run_args(tiny, tmp_path, model_name_or_path=tiny["chat"], reward_model_path=None, total_episodes=8,
                     reward_fn=[f"{__file__}:chat_words"], dataset=tiny["chat_prompts"], lora_r=4, merge_lora=True)
     P.main(args)
-    assert sorted(os.listdir(args.output_dir)) == ["metrics.jsonl", "policy", "policy_merged", "value_model"]
+    assert sorted(os.listdir(args.output_dir)) == ["complete.json", "metrics.jsonl", "policy", "policy_merged",
+                                                   "value_model"]
     assert P.adapter_base(os.path.join(args.output_dir, "policy")) == tiny["chat"]
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy_merged"))
     assert merged.get_input_embeddings().num_embeddings == len(CHAT_WORDS) and merged.config.pad_token_id is None
@@ -2862,8 +2863,8 @@ def test_torchrun_builtin_task(tmp_path):
     models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(os.path.join(out, "policy")), ref_policy=None,
                              value_model=None, reward_models=[], builtin_reward=True,
                              reward_fns=[(P.addition_reward, "addition_reward", None)], reward_weights=torch.ones(1),
-                             tokenizer=tokenizer, stop_token_ids=[tokenizer.eos_token_id], policy_head=None,
-                             ref_head=None)
+                             tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
+                             stop_token_ids=[tokenizer.eos_token_id], policy_head=None, ref_head=None)
     args = P.Args(response_length=2)
     state = SimpleNamespace(global_step=3, max_steps=3, epoch=9.6)
     alone, samples = P.evaluate(models, P.load_prompts(eval_file, args, tokenizer, None), 2, args, P.Runtime(), state)
@@ -3162,7 +3163,7 @@ def replay_worker(rank, port, out_file):
     old, fresh = stored_batch(gen, 0, scale=scale), stored_batch(gen, 1, scale=scale)
     P.prox_and_values = lambda models, b, args, rt: (b["prox"], b["values"])  # the models' forwards, stubbed
     args = P.Args(replay_rounds=1, replay_correction="naive", response_length=5)
-    models = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0))
+    models = SimpleNamespace(pad_token_id=0)
     batch = dict(fresh, kl_coef=0.05)
     train = P.replay_batch({"replay": [old]}, batch, 1, models, args, P.Runtime(rank=rank, world_size=2, torchrun=True))
     torch.save((train, batch["replay_metrics"]), f"{out_file}.{rank}")
@@ -3353,7 +3354,7 @@ def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_bat
                              ref_policy=AutoModelForCausalLM.from_pretrained(tiny["gpt2"], dtype=torch.float32),
                              value_model=None, reward_models=[], builtin_reward=False, reward_weights=torch.ones(1),
                              reward_fns=[(num_words, "num_words", P.POSITIONAL)], tokenizer=tokenizer,
-                             stop_token_ids=[5], policy_head=None, ref_head=None)
+                             pad_token_id=tokenizer.pad_token_id, stop_token_ids=[5], policy_head=None, ref_head=None)
     args = P.Args(response_length=6)
     state = SimpleNamespace(global_step=2, max_steps=2, epoch=0.4)
     alone, samples = P.evaluate(models, P.load_prompts(tiny["txt"], args, tokenizer, None), 1, args, P.Runtime(),
