@@ -920,7 +920,8 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
              f"policy's context of {context}")
     prompts = load_prompts(dataset, args, tokenizer, context)
     eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
-    same_file = eval_prompts and os.path.isfile(dataset) and os.path.samefile(dataset, eval_dataset)
+    files = eval_prompts and os.path.isfile(dataset) and os.path.isfile(eval_dataset)  # not a hub dataset
+    same_file = files and os.path.samefile(dataset, eval_dataset)
     if same_file and int(os.environ.get("RANK", 0)) == 0:
         print(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on training prompts",
               file=sys.stderr)

@@ -2326,6 +2326,9 @@ def test_a_hub_eval_dataset_reads_dataset_test_split(tiny, tmp_path, monkeypatch
         assert asked[-2:] == [("someone/prompts", "train"), ("someone/prompts", test_split)]
         assert inputs.prompts.fields["split"] == ["train"] * 3
         assert inputs.eval_prompts.fields["split"] == [test_split] * 2
+    args = run_args(tiny, tmp_path, eval_dataset="someone/prompts")  # a local --dataset beside it: no file to compare
+    inputs = P.check_inputs(args, tiny["gpt2"], args.dataset, args.eval_dataset, args.output_dir)
+    assert asked[-1] == ("someone/prompts", "test") and len(inputs.eval_prompts.ids) == 2
 
 
 def test_the_same_local_file_for_training_and_evaluation_gets_a_warning_on_rank_0(tiny, tmp_path, monkeypatch, capsys):
