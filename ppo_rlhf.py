@@ -345,6 +345,11 @@ def reward_model_spread(source_scores, num_reward_models):
     return source_scores[:, :num_reward_models].std(1, correction=0)
 
 
+def has_value_model(advantage_estimator):
+    """PPO's GAE learns a value model V(s_t); the other estimators are value-free (baselined_scores)."""
+    return advantage_estimator == "gae"
+
+
 def baselined_scores(scores, num_generations, advantage_estimator):
     """The score s_i (B,) minus its baseline, from the k = num_generations consecutive responses to
     one prompt (a group g): rloo s_i − (Σ_g s − s_i)/(k − 1); grpo (s_i − mean_g)/(std_g + 1e-4)
@@ -607,6 +612,17 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
 
 
 # ----------------------------------------------------------------------------------- the PPO update
+def advantages_and_returns(rewards, values, mask, args):
+    """Phase 4: A_t and R_t = A_t + V_t by GAE; value-free estimators: V = 0 and λ = 1, so A_t =
+    Σ_{t'≥t} γ^(t'−t)·r_t', the reward-to-go. Whitened over the global batch (all ranks), except group
+    baselines. (B, R) -> (B, R), (B, R)."""
+    lam = args.lam if has_value_model(args.advantage_estimator) else 1.0
+    advantages, returns = gae(rewards, values, mask, args.gamma, lam)
+    if args.advantage_estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
+        advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
+    return advantages, returns
+
+
 TOKEN_KEYS = ("logprobs", "ref_logprobs", "values", "advantages", "returns", "weights")  # (B, R)
 
 
@@ -760,12 +776,8 @@ def main(args: Args):
         if args.whiten_rewards:  # over all ranks, mean kept
             rewards = masked_whiten(rewards, mask, *global_mean_var(rewards, mask), shift_mean=False)
 
-        # 4. advantages: GAE, whitened over the global batch. Value-free: V = 0 and λ = 1, so
-        # A_t = Σ_{t'≥t} γ^(t'−t)·r_t', the reward-to-go; group baselines are not whitened
-        lam = args.lam if args.advantage_estimator == "gae" else 1.0
-        advantages, returns = gae(rewards, batch["values"], mask, args.gamma, lam)
-        if args.advantage_estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
-            advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
+        # 4. advantages: GAE, whitened over the global batch (value-free: the reward-to-go)
+        advantages, returns = advantages_and_returns(rewards, batch["values"], mask, args)
         loss_mask = mask & ~batch["truncated"][:, None] if args.mask_truncated_completions else mask
         batch.update(scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
                      kl_coef=kl_coef, reward_kl_coef=reward_kl_coef, loss_mask=loss_mask)
@@ -867,7 +879,7 @@ def check_args(args):
     if args.num_generations == 1 and args.advantage_estimator in ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline"):
         fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one prompt: give "
              "--num_generations >= 2")
-    if args.value_model_path and args.advantage_estimator != "gae":
+    if args.value_model_path and not has_value_model(args.advantage_estimator):
         fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has no value model")
     if args.ref_model_path and args.kl_coef == 0:
         fail("--ref_model_path is unused: --kl_coef 0 has no KL term")
@@ -1152,10 +1164,9 @@ def replay_batch(progress, batch, update, models, args, rt):
         parts.append(dict(b, values=values, prox=prox, age=age(b)))
     train = repad(parts, models.pad_token_id)
     mask = train["response_mask"]
-    lam = args.lam if args.advantage_estimator == "gae" else 1.0
-    advantages, train["returns"] = gae(train["rewards"], train["values"], mask, args.gamma, lam)
-    if args.advantage_estimator == "gae":  # with today's V, whitened together over all ranks
-        train["advantages"] = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
+    advantages, train["returns"] = advantages_and_returns(train["rewards"], train["values"], mask, args)
+    if has_value_model(args.advantage_estimator):  # with today's V; value-free rows keep their batch's advantages
+        train["advantages"] = advantages
     batch["replay_metrics"] = replay_metrics(train, args, rt)
     if args.replay_correction == "decoupled":  # clip around π_prox, token weight min(π_prox/μ, c)
         train["weights"] = decoupled_weights(train["prox"], train["logprobs"], args.replay_weight_cap or 2.0)
@@ -1327,7 +1338,7 @@ def load_models(args, model_path, inputs, rt):
 def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, base_paths, rt):
     """The value model (trained, fp32), where it came from, its path; none without GAE. It starts
     from the (first) reward model if that shares the policy's vocabulary, else from the policy."""
-    if args.advantage_estimator != "gae":
+    if not has_value_model(args.advantage_estimator):
         return None, f"no value model (--advantage_estimator {args.advantage_estimator})", None
     value_path = args.value_model_path or (args.reward_model_path[0] if reward_model_shares_vocabulary else model_path)
     value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args,
