@@ -901,10 +901,6 @@ def check_args(args):
              "ranks)")
     if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
         fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
-    if (args.eval_dataset == args.dataset and not args.dataset.endswith((".txt", ".jsonl"))  # a hub dataset
-            and args.dataset_test_split == args.dataset_train_split):
-        fail(f"--eval_dataset {args.eval_dataset!r} is --dataset with the same split ({args.dataset_train_split!r}): "
-             "it would evaluate on training prompts; give another --dataset_test_split")
     if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
         fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in reward scores only "
              "the built-in task's sums)")
@@ -930,6 +926,10 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     if context and (args.max_prompt_length or 0) + args.response_length > context:
         fail(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} exceed the "
              f"policy's context of {context}")
+    if (args.eval_dataset == args.dataset and not args.dataset.endswith((".txt", ".jsonl"))  # a hub dataset
+            and args.dataset_test_split == args.dataset_train_split):
+        fail(f"--eval_dataset {args.eval_dataset!r} is --dataset with the same split ({args.dataset_train_split!r}): "
+             "it would evaluate on training prompts; give another --dataset_test_split")
     prompts = load_prompts(dataset, args, tokenizer, context)
     eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
     files = eval_prompts and os.path.isfile(dataset) and os.path.isfile(eval_dataset)  # not a hub dataset
