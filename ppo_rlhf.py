@@ -932,6 +932,10 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
              "it would evaluate on training prompts; give another --dataset_test_split")
     prompts = load_prompts(dataset, args, tokenizer, context)
     eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
+    vocab_size = getattr(policy_config.get_text_config(), "vocab_size", None)  # no embedding is added for a pad
+    if vocab_size and max(max(i) for p in (prompts, eval_prompts) if p for i in p.ids) >= vocab_size:
+        fail(f"--model_name_or_path {model_path!r}: its tokenizer gives prompt ids past the model's vocabulary of "
+             f"{vocab_size}; give the tokenizer that matches the model")
     files = eval_prompts and os.path.isfile(dataset) and os.path.isfile(eval_dataset)  # not a hub dataset
     same_file = files and os.path.samefile(dataset, eval_dataset)
     if same_file and int(os.environ.get("RANK", 0)) == 0:

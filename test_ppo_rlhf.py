@@ -1964,6 +1964,11 @@ def file_case(case, tiny, tmp_path):
         config("gpt2", len(WORDS), num_labels=2, architectures=["GPT2ForSequenceClassification"]).save_pretrained(
             str(tmp_path / "rm2"))
         return dict(reward_model_path=[str(tmp_path / "rm2")]), "--reward_model_path"
+    if case == "a tokenizer past the model's vocabulary":  # no embedding is grown for its extra id
+        shutil.copytree(tiny["gpt2"], tmp_path / "grown")
+        word_tokenizer(WORDS + ["w99"]).save_pretrained(str(tmp_path / "grown"))
+        jsonl.write_text('{"prompt": "w1 w99"}\n')
+        return dict(model_name_or_path=str(tmp_path / "grown"), dataset=str(jsonl)), "--model_name_or_path"
     if case == "output_dir is a file":
         (tmp_path / "run").write_text("notes")
         return {}, "--output_dir"
@@ -2068,10 +2073,12 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "the built-in task without a stop id", "replay without a correction",
               "a replay correction without replay", "a weight cap without decoupled replay",
               "bad jsonl after a blank line", "a response as long as the context",
-              "a prompt length and response past the context", "a hub eval dataset on the training split"]
+              "a prompt length and response past the context", "a hub eval dataset on the training split",
+              "a tokenizer past the model's vocabulary"]
 
 
-MUST_SAY = {"a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
+MUST_SAY = {"a tokenizer past the model's vocabulary": "gives prompt ids past the model's vocabulary of 40",
+            "a causal LM as reward model": "is a GPT2LMHeadModel checkpoint, which has no reward head",
             "reward model with 2 labels": "with 2 labels", "missing policy": "no such folder",
             "output_dir is a file": "is a file", "missing reward function": "has no function 'no_such'",
             "LoRA without peft": "pip install peft", "a path where a list goes": "takes a list",
