@@ -939,8 +939,8 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     files = eval_prompts and os.path.isfile(dataset) and os.path.isfile(eval_dataset)  # not a hub dataset
     same_file = files and os.path.samefile(dataset, eval_dataset)
     if same_file and int(os.environ.get("RANK", 0)) == 0:
-        print(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on training prompts",
-              file=sys.stderr)
+        say(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on training prompts",
+            file=sys.stderr)
     reward_tokenizers, reward_fns = check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts,
                                                   stop_token_ids)
     return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fns=reward_fns,
