@@ -81,7 +81,7 @@ class Args:
     num_sample_generations: int = 10
     """print samples and evaluate this many times during training, and after the last update"""
     eval_dataset: Optional[str] = "auto"
-    """held-out prompts (as --dataset); auto: the built-in task's 20 for it, else none (builtin: auto); None: none"""
+    """held-out prompts (as --dataset); auto: the built-in task's 20 for it, else none; None: none"""
     eval_temperature: float = 0.0
     """sampling temperature of the evaluation (0: greedy)"""
     health_window: int = 50
@@ -390,23 +390,30 @@ def gae(rewards, values, response_mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, cliprange_high=None, dual_clip=None):
+def policy_loss(logprobs, old_logprobs, advantages, cliprange, cliprange_high=None, dual_clip=None):
     """The clipped surrogate per token (B, T): max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), and where A < 0
-    at most c·|A| (dual clip: a huge ρ on a bad token cannot blow up the loss). Also token means:
-    the fraction of tokens where the clip is active, where the dual clip is, and the approx
-    KL(π_old‖π_θ) ≈ E[(ρ − 1) − log ρ] (k3, unbiased, >= 0)."""
+    at most c·|A| (dual clip: a huge ρ on a bad token cannot blow up the loss). -> the loss and the
+    tokens' statistics (B, T): ρ, approx KL(π_old‖π_θ) ≈ (ρ − 1) − log ρ (k3, unbiased, >= 0), where
+    the clip is active, where the dual clip is (None: off), where ρ is outside [1 − ε, 1 + ε_high]."""
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + (cliprange_high or cliprange))
-    loss = torch.max(unclipped, clipped)
-    dual_clipped = torch.zeros_like(mask)
+    low, high = 1.0 - cliprange, 1.0 + (cliprange_high or cliprange)
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(low, high)
+    loss, dual_clipped = torch.max(unclipped, clipped), None
     if dual_clip is not None:
         dual_clipped = (advantages < 0) & (loss > -dual_clip * advantages)
         loss = torch.where(dual_clipped, -dual_clip * advantages, loss)
-    clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), mask)
-    approxkl = masked_mean((ratio - 1) - log_ratio, mask)
-    return loss, clipfrac, masked_mean(dual_clipped.to(ratio.dtype), mask), approxkl
+    return loss, dict(ratio=ratio, approxkl=(ratio - 1) - log_ratio, clipped=clipped > unclipped,
+                      dual_clipped=dual_clipped, outside=(ratio < low) | (ratio > high))
+
+
+def ratio_stats(tokens, mask):
+    """policy_loss's token statistics as means over the real tokens, under TRL's names."""
+    names = {"clipped": "policy/clipfrac_avg", "approxkl": "policy/approxkl_avg", "ratio": "val/ratio",
+             "outside": "policy/ratio_outside_clip_avg", "dual_clipped": "policy/dual_clipfrac_avg"}
+    ratio = tokens["ratio"]
+    stats = {names[k]: masked_mean(x.to(ratio.dtype), mask) for k, x in tokens.items() if x is not None}
+    return dict(stats, **{"val/ratio_var": masked_var(ratio, mask)})
 
 
 def decoupled_weights(prox_logprobs, behaviour_logprobs, cap):
@@ -566,6 +573,16 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
                 logprobs=torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated]))
 
 
+def response_chunks(batch, chunk):
+    """A batch's rows `chunk` at a time for the no-grad forwards, cut after their longest real
+    response L: -> rows (a slice), L, query_responses and attention_mask (b, context_length + L)."""
+    for i in range(0, len(batch["lengths"]), chunk):
+        rows = slice(i, i + chunk)
+        L = batch["lengths"][rows].max().item()
+        width = batch["context_length"] + L
+        yield rows, L, batch["query_responses"][rows, :width], batch["attention_mask"][rows, :width]
+
+
 def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
     """Phase 2: no-grad forwards of the frozen models. -> ref_logprobs, values (B, R; 0 on padding),
     completions, source_scores (B, S; NaN: None), raw_scores (B,) = Σ w·s over the sources that
@@ -576,10 +593,7 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
     rm_scores = [torch.zeros(len(mask), device=rt.device) for _ in models.reward_models]
     chunk = args.local_rollout_forward_batch_size
     with rt.no_grad(), rt.autocast():
-        for i in range(0, len(mask), chunk):
-            rows_i, L = slice(i, i + chunk), lengths[i : i + chunk].max().item()  # the longest real one
-            width = context_length + L
-            ids, ids_mask = batch["query_responses"][rows_i, :width], batch["attention_mask"][rows_i, :width]
+        for rows_i, L, ids, ids_mask in response_chunks(batch, chunk):
             if models.ref_policy is not None and not scores_only:
                 with reference_weights(models, args):
                     ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
@@ -658,15 +672,15 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                         new_logprobs, entropy, new_values = model(batch["query_responses"][rows, :width],
                                                                   batch["attention_mask"][rows, :width],
                                                                   context_length, args.temperature)
-                    policy_term, vf_loss, losses = ppo_loss(new_logprobs, entropy, new_values, mb, batch["kl_coef"],
-                                                            args)
+                    policy_term, vf_loss, losses, tokens = ppo_loss(new_logprobs, entropy, new_values, mb,
+                                                                    batch["kl_coef"], args)
                     loss = policy_term * policy_share
                     if vf_loss is not None:
                         loss = loss + args.vf_coef * vf_loss * token_share
                     non_finite += ~torch.isfinite(loss)  # voted on by all ranks below
                     scaler.scale(loss).backward()
-                update_stats(stats, mb, new_logprobs, entropy, args.cliprange, args.cliprange_high, losses)
-                mb_approxkl.append(losses["policy/approxkl_avg"].detach())
+                update_stats(stats, mb, entropy, losses, tokens)
+                mb_approxkl.append(stats["policy/approxkl_avg"][-1])
                 train_tokens += batch["attention_mask"][rows, :width].sum().item()
             # early stop and the non-finite vote use every rank's numbers: all take the same path
             approxkl_sum, non_finite = all_ranks_sum(torch.stack([torch.stack(mb_approxkl).mean(), non_finite]))
@@ -691,16 +705,13 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
 def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     """One micro-batch's loss terms: the policy's, aggregated as --loss_agg: L_clip (+ β·KL with
     --kl_in loss, − c_H·entropy with --entropy_coef), and the value loss L_V (a token mean; None
-    without a value model). -> those two, and the named statistics of this micro-batch."""
+    without a value model). -> those two, the named losses, policy_loss's token statistics."""
     mask, w = mb["response_mask"], mb.get("weights", 1.0)  # w: decoupled_weights (replay)
     agg = lambda x: aggregate(w * x, mask, args.loss_agg, args.response_length)  # noqa: E731
-    pg_tokens, clipfrac, dual_clipfrac, approxkl = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], mask,
-                                                               args.cliprange, args.cliprange_high, args.dual_clip)
-    pg_loss = agg(pg_tokens)
-    losses = {"loss/policy_avg": pg_loss, "policy/clipfrac_avg": clipfrac, "policy/approxkl_avg": approxkl}
-    policy_term = pg_loss
-    if args.dual_clip is not None:
-        losses["policy/dual_clipfrac_avg"] = dual_clipfrac
+    pg_tokens, tokens = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], args.cliprange,
+                                    args.cliprange_high, args.dual_clip)
+    policy_term = agg(pg_tokens)
+    losses = {"loss/policy_avg": policy_term}
     if args.kl_in == "loss" and kl_coef:  # a gradient through π_θ
         losses["loss/kl_avg"] = kl_loss = agg(kl_estimate(new_logprobs, mb["ref_logprobs"], args.kl_estimator))
         policy_term = policy_term + kl_coef * kl_loss
@@ -711,7 +722,7 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
         vf_loss, losses["val/clipfrac_avg"] = value_loss(new_values.float(), mb["values"], mb["returns"], mask,
                                                          args.cliprange_value)
         losses["loss/value_avg"] = vf_loss
-    return policy_term, vf_loss, losses
+    return policy_term, vf_loss, losses, tokens
 
 
 # --------------------------------------------------------- main: setup, then the loop in six phases
@@ -851,8 +862,6 @@ def check_args(args):
     or started. -> the derived sizes (derive_sizes)."""
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
-    if args.eval_dataset == "builtin":  # auto's name before it was auto: one value in checkpoints
-        args.eval_dataset = "auto"
     for allowed, (ok, flags) in FLAG_RANGES.items():
         for flag in flags:  # NaN fails every comparison; inf is refused too
             value = getattr(args, flag)
@@ -1116,23 +1125,23 @@ def exact_kl(models, batch, args, rt):
     chunk budget: from hidden states by chunks; without a usable output layer (FSDP, a logit
     transform), from the logits of as few sequences as fit, one at least."""
     mask, T = batch["response_mask"], args.temperature
-    ids, ids_mask, R = batch["query_responses"][:, :-1], batch["attention_mask"][:, :-1], mask.shape[1]
     vocab_size = models.policy.get_output_embeddings().weight.shape[0]
     fused = models.policy_head is not None and models.ref_head is not None
+    R = mask.shape[1]
     chunk = args.local_rollout_forward_batch_size if fused else max(1, logprobs_chunk_rows(vocab_size) // R)
     kl = torch.zeros(mask.shape, device=mask.device)  # (B, R)
     with rt.no_grad(), rt.autocast():
-        for i in range(0, len(ids), chunk):
-            rows = slice(i, i + chunk)
+        for rows, L, ids, ids_mask in response_chunks(batch, chunk):
+            ids, ids_mask, real = ids[:, :-1], ids_mask[:, :-1], mask[rows, :L]
             if not fused:
-                logp = forward(models.policy, ids[rows], ids_mask[rows], R).float().div(T).log_softmax(-1)
+                logp = forward(models.policy, ids, ids_mask, L).float().div(T).log_softmax(-1)
                 with reference_weights(models, args):
-                    ref = forward(models.ref_policy, ids[rows], ids_mask[rows], R).float().div(T).log_softmax(-1)
-                kl[rows] = (logp.exp() * (logp - ref)).sum(-1)
+                    ref = forward(models.ref_policy, ids, ids_mask, L).float().div(T).log_softmax(-1)
+                kl[rows, :L] = (logp.exp() * (logp - ref)).sum(-1)
                 continue
-            x = last_hidden(models.policy, ids[rows], ids_mask[rows], R)[mask[rows]]  # (N, H)
+            x = last_hidden(models.policy, ids, ids_mask, L)[real]  # (N, H)
             with reference_weights(models, args):
-                x_ref = last_hidden(models.ref_policy, ids[rows], ids_mask[rows], R)[mask[rows]]
+                x_ref = last_hidden(models.ref_policy, ids, ids_mask, L)[real]
             kl_rows, n, head, ref_head = [], logprobs_chunk_rows(vocab_size), models.policy_head, models.ref_head
             for s in range(0, len(x), n):  # two (n, V) tensors, in place
                 logp = chunk_logits(x[s : s + n], head.weight, head.bias, T)
@@ -1140,7 +1149,7 @@ def exact_kl(models, batch, args, rt):
                 ref = chunk_logits(x_ref[s : s + n], ref_head.weight, ref_head.bias, T)
                 ref = ref.sub_(ref.logsumexp(-1, keepdim=True)).neg_().add_(logp)  # log π/π_ref
                 kl_rows.append(logp.exp_().mul_(ref).sum(-1))
-            kl[rows] = kl[rows].masked_scatter(mask[rows], torch.cat(kl_rows))
+            kl[rows, :L] = kl[rows, :L].masked_scatter(real, torch.cat(kl_rows))
     return torch.where(mask, kl, 0.0).sum(1)
 
 
@@ -1184,9 +1193,7 @@ def prox_and_values(models, b, args, rt):
     mask, c, chunk = b["response_mask"], b["context_length"], args.local_rollout_forward_batch_size
     prox, values = torch.zeros_like(b["logprobs"]), torch.zeros_like(b["logprobs"])
     with rt.no_grad(), rt.autocast():
-        for i in range(0, len(mask), chunk):
-            rows, L = slice(i, i + chunk), b["lengths"][i : i + chunk].max().item()
-            ids, ids_mask = b["query_responses"][rows, : c + L], b["attention_mask"][rows, : c + L]
+        for rows, L, ids, ids_mask in response_chunks(b, chunk):
             prox[rows, :L] = response_logprobs(models.policy, ids, ids_mask, c, args.temperature,
                                                models.policy_head)[0]
             if models.value_model is not None:
@@ -1610,9 +1617,6 @@ ADDITION_WORDS = ["<pad>", "<eos>", "<unk>", "+", "="] + [str(i) for i in range(
 ADDITION_PARTIAL_CREDIT = 0.5
 
 
-ADDITION_REWARD = "token ids"  # how addition_reward scores, kept in checkpoints (before: the text)
-
-
 def addition_reward(completion_ids, answer, **kwargs):
     """The built-in task's reward from the token ids and each row's `answer`: 1 for the sum then
     EOS, partial credit for the sum then anything else (<pad>, <unk> too), 0 otherwise. A random
@@ -2010,10 +2014,11 @@ def import_peft(flag):
 # not what it learns: a resumed run may change them. They change no training number beyond rounding
 # (--distributed and --shard_frozen_models change the order of sums), and --eval_temperature changes
 # the eval/ numbers only. All the others are algorithmic: a checkpoint keeps them, and resuming with
-# another value is refused (a field the checkpoint predates counts as having had its default).
+# another value is refused.
 RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
                    "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
                    "dist_timeout_s", "merge_lora", "eval_temperature", "health_window", "save_dtype"}
+CHECKPOINT_FORMAT = 2  # of state.pt; a checkpoint of another format is refused (load_checkpoint)
 
 
 def full_state_dict(model, optimizer=None):
@@ -2124,7 +2129,7 @@ def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler
         state = dict(update=update, **progress, model=weights, optimizer=optimizer_state,
                      lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(), world_size=rt.world_size,
                      config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS},
-                     stop_token_ids=models.stop_token_ids, addition_reward=models.builtin_reward and ADDITION_REWARD)
+                     stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
         torch.save(state, os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "state.pt"), "rb") as f:
             os.fsync(f.fileno())
@@ -2143,26 +2148,19 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
-    saved = {**{f.name: f.default for f in fields(Args)}, **state["config"]}  # a newer flag: its default
-    for key in ("reward_model_path", "reward_fn"):  # older: one string
-        saved[key] = [saved[key]] if isinstance(saved[key], str) else saved[key]
-    if isinstance(saved["stop_token_id"], int):  # one id in checkpoints of versions before the list
-        saved["stop_token_id"] = [saved["stop_token_id"]]
-    if saved["eval_dataset"] == "builtin":  # as check_args normalises it
-        saved["eval_dataset"] = "auto"
-    # the stop ids it resolved must be this run's, however the flags name them (they also come from
-    # the model)
-    stop_flags = {"stop_token", "stop_token_id"} if "stop_token_ids" in state else set()
-    changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS | stop_flags and saved[k] != v]
+    if state.get("format") != CHECKPOINT_FORMAT:
+        fail(f"--resume {path!r} was written by another version of ppo_rlhf.py (checkpoint format "
+             f"{state.get('format')}, this one reads {CHECKPOINT_FORMAT}); start a new run")
+    # the stop ids it resolved must be this run's, however the flags name them (they also come from the model)
+    stop_flags = {"stop_token", "stop_token_id"}
+    changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS | stop_flags
+               and state["config"].get(k) != v]
     if changed:
         fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
-    if stop_flags and state["stop_token_ids"] != models.stop_token_ids:  # generation_config changed
+    if state["stop_token_ids"] != models.stop_token_ids:  # generation_config changed
         then = state["stop_token_ids"]
         fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {models.stop_token_ids}: give "
              + (f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"))
-    if models.builtin_reward and state.get("addition_reward") != ADDITION_REWARD:
-        fail(f"--resume {path!r} ran the built-in task with its earlier reward (on the text: the sum then <pad> scored "
-             "as the sum then EOS); start a new run")
     if state["world_size"] != rt.world_size:  # the prompt stream depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
@@ -2171,7 +2169,7 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
-    progress = {key: state.get(key, default) for key, default in no_progress(args).items()}
+    progress = {key: state[key] for key in no_progress(args)}
     if args.replay_rounds:  # this rank's buffer
         progress["replay"] = [{k: v.to(rt.device, copy=True) if torch.is_tensor(v) else v
                                for k, v in b.items()} for b in progress["replay"][rt.rank]]
@@ -2180,7 +2178,7 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
 
 def no_progress(args):
     """The loop's state besides the weights at the start: the non-finite streak, β, the running
-    score moments (count, mean, M2). A checkpoint missing one had this value."""
+    score moments (count, mean, M2)."""
     replay = {"replay": []} if args.replay_rounds else {}  # --replay_rounds: the last N batches
     return dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0), **replay)
 
@@ -2312,23 +2310,18 @@ class Clock:
 
 
 @torch.no_grad()
-def update_stats(stats, mb, new_logprobs, entropy, cliprange, cliprange_high, losses):
-    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`. The share
-    of ratios outside the clip is of [1 − ε, 1 + ε_high], whatever the sign of A."""
-    log_ratio, mask = new_logprobs - mb["logprobs"], mb["response_mask"]
-    ratio = log_ratio.exp()
-    outside = (ratio < 1 - cliprange) | (ratio > 1 + (cliprange_high or cliprange))
-    for key, value in {**losses, "policy/entropy_avg": masked_mean(entropy, mask),
-                       "policy/ratio_outside_clip_avg": masked_mean(outside.float(), mask),
-                       "val/ratio": masked_mean(ratio, mask), "val/ratio_var": masked_var(ratio, mask)}.items():
+def update_stats(stats, mb, entropy, losses, tokens):
+    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`: its losses,
+    entropy, and the ratio statistics of the tokens its loss used (policy_loss, ratio_stats)."""
+    mask = mb["response_mask"]
+    for key, value in {**losses, **ratio_stats(tokens, mask), "policy/entropy_avg": masked_mean(entropy, mask)}.items():
         stats[key].append(value.detach().float())
     if "age" in mb:  # replay: token counts of fresh and replayed tokens apart (replay_stats)
-        A, fresh = mb["advantages"], mask & (mb["age"] == 0)[:, None]
-        clipped = ((A > 0) & (ratio > 1 + (cliprange_high or cliprange))) | ((A < 0) & (ratio < 1 - cliprange))
+        fresh, clipped = mask & (mb["age"] == 0)[:, None], tokens["clipped"]
         for key, x in {"fresh": fresh, "replayed": mask & ~fresh, "clipped_fresh": clipped & fresh,
-                       "clipped_replayed": clipped & mask & ~fresh, "outside_fresh": outside & fresh,
-                       "ratio_fresh": torch.where(fresh, ratio, 0.0),
-                       "approxkl_fresh": torch.where(fresh, (ratio - 1) - log_ratio, 0.0)}.items():
+                       "clipped_replayed": clipped & mask & ~fresh, "outside_fresh": tokens["outside"] & fresh,
+                       "ratio_fresh": torch.where(fresh, tokens["ratio"], 0.0),
+                       "approxkl_fresh": torch.where(fresh, tokens["approxkl"], 0.0)}.items():
             stats[f"replay/{key}"].append(x.sum().float())
 
 

@@ -497,7 +497,8 @@ def test_policy_loss_at_ratio_one():
     advantages = torch.randn(4, 5, dtype=torch.float64, generator=gen)
     mask = random_mask((4, 5), 3)
     new = old.clone().requires_grad_()
-    per_token, clipfrac, _, approxkl = P.policy_loss(new, old, advantages, mask, 0.2)
+    per_token, tokens = P.policy_loss(new, old, advantages, 0.2)
+    clipfrac, approxkl = (P.ratio_stats(tokens, mask)[k] for k in ("policy/clipfrac_avg", "policy/approxkl_avg"))
     loss = P.aggregate(per_token, mask, "token_mean", 5)
     loss.backward()
     assert torch.allclose(loss, -advantages[mask].mean())
@@ -511,7 +512,8 @@ def test_policy_loss_in_the_clipped_regions():
     advantages = torch.tensor([[1.0, -1.0, -1.0, 1.0, 2.0, -2.0]], dtype=torch.float64)
     mask = torch.ones_like(advantages, dtype=torch.bool)
     new = log_ratio.clone().requires_grad_()
-    per_token, clipfrac, _, approxkl = P.policy_loss(new, torch.zeros_like(new), advantages, mask, eps)
+    per_token, tokens = P.policy_loss(new, torch.zeros_like(new), advantages, eps)
+    clipfrac, approxkl = (P.ratio_stats(tokens, mask)[k] for k in ("policy/clipfrac_avg", "policy/approxkl_avg"))
     loss = per_token.mean()
     loss.backward()
     ratio = log_ratio.exp()
@@ -530,14 +532,15 @@ def test_clip_higher_and_dual_clip():
     advantages = torch.tensor([[1.0, -1.0, -1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
     mask = torch.ones_like(advantages, dtype=torch.bool)
     new = ratio.log().requires_grad_()
-    per_token, clipfrac, dual_clipfrac, _ = P.policy_loss(new, torch.zeros_like(new), advantages, mask, 0.2,
-                                                          cliprange_high=0.28, dual_clip=3.0)
+    per_token, tokens = P.policy_loss(new, torch.zeros_like(new), advantages, 0.2, cliprange_high=0.28, dual_clip=3.0)
+    stats = P.ratio_stats(tokens, mask)
+    clipfrac, dual_clipfrac = stats["policy/clipfrac_avg"], stats["policy/dual_clipfrac_avg"]
     # ρ 1.25 < 1.28 is inside the clip for A > 0 (ε_high); A < 0, ρ 2.5 and 5: −ρ·A = 2.5 and 5, capped at c·|A| = 3
     assert per_token[0].tolist() == pytest.approx([-1.25, 1.25, 0.8, 2.5, 3.0, -1.28])
     assert clipfrac == pytest.approx(2 / 6) and dual_clipfrac == pytest.approx(1 / 6)
     per_token.sum().backward()
     assert new.grad[0, 4] == 0 and new.grad[0, 3] != 0  # the capped token has no gradient
-    symmetric = P.policy_loss(new, torch.zeros_like(new), advantages, mask, 0.2)[0]
+    symmetric = P.policy_loss(new, torch.zeros_like(new), advantages, 0.2)[0]
     assert symmetric[0, [0, 4]].tolist() == pytest.approx([-1.2, 5.0])  # without them: clipped at 1 + ε, uncapped
 
 
@@ -611,9 +614,9 @@ def test_ppo_loss_adds_the_kl_and_entropy_terms_with_their_gradients():
     entropy = torch.rand(3, 5, dtype=torch.float64, generator=gen).requires_grad_()
     for loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
         args = P.Args(kl_in="loss", kl_estimator="k3", entropy_coef=0.3, loss_agg=loss_agg, response_length=5)
-        term, vf_loss, losses = P.ppo_loss(logprobs, entropy, None, mb, 0.2, args)
+        term, vf_loss, losses, _ = P.ppo_loss(logprobs, entropy, None, mb, 0.2, args)
         agg = lambda x: P.aggregate(x, mask, loss_agg, 5)  # noqa: E731
-        pg = agg(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], mask, 0.2)[0])
+        pg = agg(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], 0.2)[0])
         kl = agg(P.kl_estimate(logprobs, mb["ref_logprobs"], "k3"))
         assert vf_loss is None and torch.allclose(term, pg + 0.2 * kl - 0.3 * agg(entropy))
         assert torch.allclose(losses["loss/kl_avg"], kl) and torch.allclose(losses["loss/policy_avg"], pg)
@@ -625,7 +628,7 @@ def test_ppo_loss_adds_the_kl_and_entropy_terms_with_their_gradients():
         d_pg = torch.where((ratio - 1).abs() < 0.2, -mb["advantages"] * ratio, 0.0)  # the clip is not active here
         assert torch.allclose(d_logprobs, weights * (d_pg + 0.2 * (1 - log_ratio.exp())))
     off = P.ppo_loss(logprobs, entropy, None, mb, 0.2, P.Args())[0]  # KL in the reward, no entropy bonus
-    assert torch.allclose(off, P.aggregate(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], mask, 0.2)[0],
+    assert torch.allclose(off, P.aggregate(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], 0.2)[0],
                                            mask, "token_mean", 5))
 
 
@@ -645,7 +648,7 @@ def test_the_decoupled_loss_against_a_per_token_formula():
     mb = {"response_mask": mask, "logprobs": prox, "ref_logprobs": ref, "advantages": advantages, "values": values,
           "returns": returns, "weights": P.decoupled_weights(prox, mu, cap)}
     args = P.Args(kl_in="loss", kl_estimator="k3", entropy_coef=c_h, cliprange=eps, response_length=6)
-    term, vf_loss, _ = P.ppo_loss(new, entropy, values + 0.1, mb, beta, args)
+    term, vf_loss, *_ = P.ppo_loss(new, entropy, values + 0.1, mb, beta, args)
     expected, n = 0.0, 0
     for i, t in zip(*torch.nonzero(mask, as_tuple=True)):
         w = min(math.exp(prox[i, t] - mu[i, t]), cap)
@@ -730,7 +733,8 @@ def test_everything_after_the_stop_token_is_masked_out():
         rewards = P.per_token_rewards(torch.tensor([1.0, -1.0, 0.5]), kl, mask, 0.1)
         advantages, returns = P.gae(rewards, values, mask, 1.0, 0.95)
         advantages = P.masked_whiten(advantages, mask, *P.global_mean_var(advantages, mask))
-        per_token, *pg = P.policy_loss(new_logp, logp, advantages, mask, 0.2, 0.3, 1.5)
+        per_token, tokens = P.policy_loss(new_logp, logp, advantages, 0.2, 0.3, 1.5)
+        pg = list(P.ratio_stats(tokens, mask).values())
         pg += [P.aggregate(per_token, mask, agg, 6) for agg in ("token_mean", "seq_mean_token_mean",
                                                                   "seq_mean_token_sum_norm")]
         vf = P.value_loss(new_values, values, returns, mask, 0.2)
@@ -1299,15 +1303,17 @@ def test_the_built_in_reward_reads_the_token_ids():
     assert P.addition_reward(longer, ["7"] * 4) == [partial, partial, 1.0, 0.0]  # at --response_length 3 or more
 
 
-def test_a_checkpoint_of_the_built_in_task_with_its_earlier_reward_is_refused(tmp_path):
+@pytest.mark.parametrize("format", [None, 1])
+def test_a_checkpoint_of_another_format_is_refused_in_one_line(tmp_path, format):
+    """state.pt carries CHECKPOINT_FORMAT; one without it (or of another) was written by another version."""
     args = P.Args(output_dir=str(tmp_path / "run"), total_episodes=256, save_every=1, num_sample_generations=0)
     P.main(args)
     path = os.path.join(args.output_dir, "checkpoint-000001")
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
-    assert state["addition_reward"] == "token ids"
-    del state["addition_reward"]  # as a version before the reward read token ids wrote it
-    torch.save(state, os.path.join(path, "state.pt"))
-    with pytest.raises(SystemExit, match="built-in task with its earlier reward") as exc:
+    assert state["format"] == P.CHECKPOINT_FORMAT
+    state["format"] = format
+    torch.save({k: v for k, v in state.items() if v is not None}, os.path.join(path, "state.pt"))
+    with pytest.raises(SystemExit, match=f"another version of ppo_rlhf.py \\(checkpoint format {format}") as exc:
         P.main(dataclasses.replace(args, resume=path))
     assert "\n" not in str(exc.value) and len(read_metrics(args.output_dir)) == 2
 
@@ -1514,7 +1520,8 @@ def test_the_share_of_ratios_outside_the_clip_is_of_the_clip_in_use():
     mb = {"logprobs": torch.zeros(1, 5), "response_mask": torch.ones(1, 5, dtype=torch.bool)}
     for cliprange_high, expected in ((None, 3 / 5), (0.3, 2 / 5)):
         stats = defaultdict(list)
-        P.update_stats(stats, mb, ratios.log(), torch.zeros(1, 5), 0.2, cliprange_high, {})
+        tokens = P.policy_loss(ratios.log(), mb["logprobs"], torch.ones(1, 5), 0.2, cliprange_high)[1]
+        P.update_stats(stats, mb, torch.zeros(1, 5), {}, tokens)
         assert stats["policy/ratio_outside_clip_avg"][0].item() == pytest.approx(expected)
 
 
@@ -2348,10 +2355,9 @@ def test_the_same_local_file_for_training_and_evaluation_gets_a_warning_on_rank_
                        "prompts\n" if warned else "")
 
 
-def test_eval_dataset_auto_is_the_built_in_held_out_sums_or_none_says_so_and_resumes_a_builtin_checkpoint(
-        tiny, tmp_path, capsys):
+def test_eval_dataset_auto_is_the_built_in_held_out_sums_or_none_says_so_and_resumes(tiny, tmp_path, capsys):
     """The default --eval_dataset auto: the built-in task's 20 held-out sums for it (80 train), none for one's own
-    prompts; the start line says which. A checkpoint written when the default was called `builtin` resumes."""
+    prompts; the start line says which."""
     assert P.Args().eval_dataset == "auto"
     P.main(run_args(tiny, tmp_path / "own", reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
                     total_episodes=8, num_ppo_epochs=1))
@@ -2361,11 +2367,7 @@ def test_eval_dataset_auto_is_the_built_in_held_out_sums_or_none_says_so_and_res
     P.main(args)
     start = capsys.readouterr().out.splitlines()[0]
     assert "80 prompts, eval 20 prompts (--eval_dataset auto: the built-in task's held-out sums), " in start
-    first = os.path.join(args.output_dir, "checkpoint-000001")
-    state = torch.load(os.path.join(first, "state.pt"), weights_only=True)
-    state["config"]["eval_dataset"] = "builtin"  # as the versions before `auto` wrote it
-    torch.save(state, os.path.join(first, "state.pt"))
-    P.main(dataclasses.replace(args, resume=first))
+    P.main(dataclasses.replace(args, resume=os.path.join(args.output_dir, "checkpoint-000001")))
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
     assert ["eval/score" in m for m in read_metrics(args.output_dir)] == [False, True]  # after the last update
 
@@ -2706,14 +2708,12 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
         P.main(dataclasses.replace(args, resume=newest, learning_rate=5e-4))
 
 
-def test_every_run_only_field_is_a_field_and_a_checkpoint_predating_a_flag_resumes_with_its_default(tiny, tmp_path):
+def test_every_run_only_field_is_a_field_and_run_only_flags_may_change_on_resume(tiny, tmp_path):
     assert P.RUN_ONLY_FIELDS < {f.name for f in dataclasses.fields(P.Args)}
     args = run_args(tiny, tmp_path, total_episodes=24, save_every=1)
     P.main(args)
     first = os.path.join(args.output_dir, "checkpoint-000002")
     state = torch.load(os.path.join(first, "state.pt"), weights_only=True)
-    del state["config"]["whiten_rewards"]  # as if written before --whiten_rewards existed
-    torch.save(state, os.path.join(first, "state.pt"))
     with pytest.raises(SystemExit, match="--whiten_rewards"):  # it ran without whitening: whitening now is refused
         P.main(dataclasses.replace(args, resume=first, whiten_rewards=True))
     state["world_size"] = 2  # written by 2 processes: the prompt stream of 1 would differ
@@ -2721,9 +2721,7 @@ def test_every_run_only_field_is_a_field_and_a_checkpoint_predating_a_flag_resum
     with pytest.raises(SystemExit, match="2 processes"):
         P.main(dataclasses.replace(args, resume=first))
     state["world_size"] = 1
-    state["config"]["reward_model_path"] = tiny["gpt2_rm"]  # one string: as a version with one reward model wrote it
     torch.save(state, os.path.join(first, "state.pt"))
-    # the default is what it ran with, one reward model is a list of one; run-only flags may change on resume
     P.main(dataclasses.replace(args, resume=first, num_sample_generations=3, save_total_limit=5, exp_name="other"))
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
 
@@ -3215,7 +3213,7 @@ def test_replays_clip_shares_count_real_tokens_only():
     stats = defaultdict(list)
     for rows in (slice(0, 3), slice(3, 6)):
         mb = dict(logprobs=old[rows], advantages=A[rows], response_mask=mask[rows], age=age[rows])
-        P.update_stats(stats, mb, new[rows], torch.zeros(3, 5), 0.2, 0.28, {})
+        P.update_stats(stats, mb, torch.zeros(3, 5), {}, P.policy_loss(new[rows], old[rows], A[rows], 0.2, 0.28)[1])
     shares = P.replay_stats({k: torch.stack(v) for k, v in stats.items() if k.startswith("replay/")}, 2)
     ratio = (new - old).exp()
     clipped = ((A > 0) & (ratio > 1.28)) | ((A < 0) & (ratio < 0.8))
