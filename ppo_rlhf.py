@@ -270,11 +270,6 @@ def masked_whiten(x, mask, mean, var, shift_mean=True):
     return torch.where(mask, whitened if shift_mean else whitened + mean, 0.0)
 
 
-def explained_variance(residual_var, returns_var):
-    """1 − Var[R − V] / Var[R]: 1 is a perfect value function, 0 no better than a constant."""
-    return 1 - residual_var / returns_var
-
-
 def first_true_index(bools):
     """(B, T) -> (B,): index of the first True in each row, T where there is none."""
     t = bools.shape[-1]
@@ -336,13 +331,6 @@ def running_moments(moments, mean, var, n):
     m2 = m2 + var * (n - 1) + delta**2 * count * n / total
     std = math.sqrt(m2 / (total - 1)) if total > 1 and m2 > 0 else 1.0
     return (total, running_mean + delta * n / total, m2), std
-
-
-def reward_model_spread(source_scores, num_reward_models):
-    """The reward models' disagreement on each response (B,): the std (ddof 0) of their scores, the
-    first num_reward_models columns of source_scores (B, S). A policy that games one of them moves
-    where they differ."""
-    return source_scores[:, :num_reward_models].std(1, correction=0)
 
 
 def has_value_model(advantage_estimator):
@@ -416,13 +404,6 @@ def ratio_stats(tokens, mask):
     return dict(stats, **{"val/ratio_var": masked_var(ratio, mask)})
 
 
-def decoupled_weights(prox_logprobs, behaviour_logprobs, cap):
-    """Decoupled PPO's token weight min(π_prox/μ, c): from the policy μ that sampled a replayed
-    token to π_prox, the policy at the update's start, around which the clip is (Hilton et al.
-    2021; the cap as AReaL, Fu et al. 2025). (B, T); 1 on fresh tokens, where π_prox = μ."""
-    return (prox_logprobs - behaviour_logprobs).exp().clamp(max=cap)
-
-
 def value_loss(values, old_values, returns, mask, cliprange_value):
     """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the fraction of tokens where the
     clip is active."""
@@ -453,16 +434,10 @@ def forward_kwargs(input_ids, attention_mask):
     return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
 
 
-def base_model(model):
-    """The transformers model under a peft model (the adapters sit inside it), or the model."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def backbone(model):
-    """The decoder stack of a causal LM or sequence classifier; under a peft model, that of its base
-    model: getattr(peft_model, base_model_prefix) can be the whole causal LM."""
-    base = base_model(model)
-    return getattr(base, base.base_model_prefix)
+    """The decoder stack of a causal LM or sequence classifier (under peft, of the model it wraps)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(model, model.base_model_prefix)
 
 
 def last_hidden(model, input_ids, attention_mask, keep):
@@ -478,12 +453,7 @@ def forward(model, input_ids, attention_mask, keep):
     return model(**forward_kwargs(input_ids, attention_mask), logits_to_keep=keep).logits
 
 
-def token_logprobs(x, tokens, temperature=1.0, head=None):
-    """(B, T, V) logits, or (B, T, H) hidden states and the output layer `head`, and tokens (B, T)
-    -> log π(token) and entropy H, (B, T), float32 and differentiable, in chunks (TokenLogprobs)."""
-    weight, bias = (None, None) if head is None else (head.weight, head.bias)
-    logprobs, entropy = TokenLogprobs.apply(x.flatten(0, 1), weight, bias, tokens.flatten(), temperature)
-    return logprobs.view(tokens.shape), entropy.view(tokens.shape)
+LOGITS_BUDGET = 2**24  # float32 logits held at once (64 MiB); past it, log-probs go by chunks
 
 
 def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
@@ -492,9 +462,9 @@ def response_logprobs(policy, query_responses, attention_mask, context_length, t
     whole."""
     responses = query_responses[:, context_length:]
     ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
-    if head is None or responses.numel() <= logprobs_chunk_rows(head.out_features):  # one chunk
-        return token_logprobs(forward(policy, ids, mask, R), responses, temperature)
-    return token_logprobs(last_hidden(policy, ids, mask, R), responses, temperature, head)
+    if head is not None and responses.numel() * head.out_features > LOGITS_BUDGET:
+        return chunked_logprobs(last_hidden(policy, ids, mask, R), responses, temperature, head)
+    return chunked_logprobs(forward(policy, ids, mask, R), responses, temperature)
 
 
 def state_values(value_model, query_responses, attention_mask, context_length):
@@ -523,22 +493,40 @@ class PolicyAndValue(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------ rollout and scoring
+def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
+    """This rank's prompts for update `update`: the next world_size x batch_size of an endless
+    stream of reshuffled passes; rank r's the r-th slice."""
+    start = (update * world_size + rank) * batch_size
+    passes = range(start // num_prompts, (start + batch_size - 1) // num_prompts + 1)
+    seeds = [seed * 1_000_003 + p for p in passes]  # not seed + p: seeds would share passes
+    stream = torch.cat([torch.randperm(num_prompts, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    offset = start - passes[0] * num_prompts
+    return stream[offset : offset + batch_size]
+
+
+def left_pad(sequences, pad_token_id):
+    """Lists of token ids -> ids and attention mask (B, P), padded on the left."""
+    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in sequences], batch_first=True,
+                       padding_value=pad_token_id, padding_side="left")
+    mask = pad_sequence([torch.ones(len(s), dtype=torch.bool) for s in sequences], batch_first=True,
+                        padding_value=False, padding_side="left")
+    return ids, mask
+
+
 def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_ids, pad_token_id, sync_ranks=False,
              generator=None):
     """Sample y_t ~ softmax(z_t / T) (T = 0: argmax) with a KV cache. -> responses and log
     π_old(y_t|s_t), (B, L), pad and 0 after a row's stop id. sync_ranks: step until all ranks are
     done (FSDP). generator: a random stream of its own."""
     # exactly the policy we train (no top-k/top-p); T = 0 gets T = 1's log-probs; under no_grad
-    forward_signature = inspect.signature(base_model(policy).forward)  # peft passes kwargs on
-    cache_kw = "cache" if "cache" in forward_signature.parameters else "past_key_values"
-    cache = DynamicCache(config=policy.config)
+    cache = {cache_keyword(policy): DynamicCache(config=policy.config)}  # its keyword: a version shim
     ids, mask = queries, query_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens, logprobs = [], []
     for _ in range(max_new_tokens):
         out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                     **{cache_kw: cache})
+                     **cache)
         logp = torch.log_softmax(out.logits[:, -1].float() / (temperature or 1.0), dim=-1)  # (B, V)
         token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1) if temperature else logp.argmax(-1)
         token = token.masked_fill(done, pad_token_id)
@@ -583,6 +571,13 @@ def response_chunks(batch, chunk):
         yield rows, L, batch["query_responses"][rows, :width], batch["attention_mask"][rows, :width]
 
 
+def trainer_state(updates_done, sizes, args, prompts):
+    """What reward functions get as trainer_state (TRL's fields): updates done and in the run,
+    passes over the prompts."""
+    epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
+    return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
+
+
 def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
     """Phase 2: no-grad forwards of the frozen models. -> ref_logprobs, values (B, R; 0 on padding),
     completions, source_scores (B, S; NaN: None), raw_scores (B,) = Σ w·s over the sources that
@@ -595,7 +590,7 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
     with rt.no_grad(), rt.autocast():
         for rows_i, L, ids, ids_mask in response_chunks(batch, chunk):
             if models.ref_policy is not None and not scores_only:
-                with reference_weights(models, args):
+                with models.reference():  # LoRA: the policy with its adapter off
                     ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
                                                                  args.temperature, models.ref_head)[0]
             if models.value_model is not None and not scores_only:
@@ -608,16 +603,11 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
                 if reward_tokenizer is None:  # the policy's token ids, read at the last real token
                     token_scores = forward(reward_model, ids, ids_mask, L)  # (b, L)
                     rm_scores[j][rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
-        responses = [r[context_length : context_length + n]
-                     for r, n in zip(batch["query_responses"].tolist(), lengths.tolist())]
-        completions = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
-            if reward_tokenizer is not None:  # its own tokenizer: it reads the text
-                rm_scores[j] = torch.cat([score_texts(reward_model, reward_tokenizer, prompts, rows[i : i + chunk],
-                                                      completions[i : i + chunk]) for i in range(0, len(rows), chunk)])
-    # a vote, as for a non-finite loss: a reward function that fails on one rank stops them all
-    fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, responses, trainer_state)
-    source_scores = torch.cat([*[s[:, None] for s in rm_scores], fn_scores.to(rt.device)], 1)
+    responses = [r[context_length : context_length + n] for r, n in zip(batch["query_responses"].tolist(),
+                                                                         lengths.tolist())]
+    completions = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    # the reward models that read text with their own tokenizer, and the reward functions: (B, S)
+    source_scores = text_scores(models, rm_scores, prompts, rows, completions, responses, trainer_state, chunk, rt)
     if models.ref_policy is None:  # --kl_coef 0: every KL is 0
         ref_logprobs = logprobs
     return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
@@ -731,15 +721,14 @@ def main(args: Args):
     transformers.utils.logging.disable_progress_bar()  # no progress bars
     model_path, dataset, eval_dataset = builtin_task(args)  # before the process group
     rt = start_processes(args)  # torchrun: join the process group; device and precision
-    output_dir = from_rank_0(args.output_dir or default_output_dir(args))
-    if run_complete(args, output_dir, rt):  # --resume auto on a finished run: it says so, nothing is redone
+    output_dir = run_folder(args, rt)
+    if output_dir is None:  # --resume auto on a finished run: it says so, nothing is redone
         return None
     inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # before models load
     prompts = inputs.prompts
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # a new value head: the same on all ranks
-    models = load_models(args, model_path, inputs, rt)
-    model = wrap_for_training(models, args, rt)  # one module; DDP or FSDP2
+    models, model = load_models(args, model_path, inputs, rt)  # model: policy and value as one, DDP or FSDP2
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-8,
                                   weight_decay=0.0, fused=rt.device.type in ("cpu", "cuda"))  # fp32 state
     schedule = lambda u: 1.0 - u / sizes.num_updates if args.anneal_lr else 1.0  # noqa: E731
@@ -749,7 +738,7 @@ def main(args: Args):
     start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     for update in range(start_update, sizes.num_updates):
-        clock = Clock()
+        log.start_update()  # the clock of its phases
         # each rank takes its own slice of the update's global batch, and its own seed (ints hash to
         # themselves, so this is the same in every run): a resumed run continues exactly, with no
         # RNG state to restore
@@ -763,7 +752,7 @@ def main(args: Args):
         queries, query_mask = left_pad([prompts.ids[i] for i in rows], models.pad_token_id)
         batch = rollout(models, queries.to(rt.device), query_mask.to(rt.device), args, rt)
         mask = batch["response_mask"]  # (B, R), True = real response token
-        clock.lap("generate")
+        log.lap("generate")
 
         # 2. score: log π_ref and V(s_t) of every response token, and the score of each response
         batch.update(score(models, batch, prompts, rows, args, rt, trainer_state(update, sizes, args, prompts)))
@@ -776,7 +765,7 @@ def main(args: Args):
             progress["score_moments"], std = running_moments(progress["score_moments"], mean.item(), var.item(),
                                                              sizes.batch_size)
         scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # as the flags say
-        clock.lap("score")
+        log.lap("score")
 
         # 3. KL and rewards: r_t = −β·KL_t on every token (unless the KL is a loss term), plus the
         # score (minus its group's baseline, for the value-free estimators) on the last real one
@@ -802,7 +791,7 @@ def main(args: Args):
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
             lr_scheduler.step()
         progress["bad_updates"] = count_bad_updates(progress["bad_updates"], trained.stop_reason, update, log)
-        clock.lap("train")
+        log.lap("train")
 
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
         metrics, token_counts = update_metrics(batch, trained, models, args, rt)
@@ -812,18 +801,13 @@ def main(args: Args):
             eval_metrics, samples = evaluate(models, inputs.eval_prompts, update, args, rt,
                                              trainer_state(update + 1, sizes, args, prompts))
             metrics.update(eval_metrics)
-        log.update(update, lr, metrics, token_counts, clock, batch, prompts, rows, samples)
+        log.update(update, lr, metrics, token_counts, batch, prompts, rows, samples)
         if args.adaptive_kl_target is not None:  # the global KL: the same β everywhere
             kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.adaptive_kl_target, sizes.batch_size,
                                        args.adaptive_kl_horizon)
-        stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0  # on any rank
-        if stop or (args.save_every and (update + 1) % args.save_every == 0):
-            saved = save_checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, model, optimizer,
-                                    lr_scheduler, scaler, args, rt, models)
-            if stop:
-                log.print(f"saved {saved}; continue with the same flags plus: --output_dir {output_dir} "
-                          "--resume auto")
-                return log.last
+        if checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, model, optimizer, lr_scheduler,
+                      scaler, args, rt, models, log):  # saved after a stop signal
+            return log.last
     written = save_final(model, models, args, output_dir, rt, sizes.num_updates)
     log.finish(f"saved {written} to {output_dir}")
     return log.last
@@ -1135,12 +1119,12 @@ def exact_kl(models, batch, args, rt):
             ids, ids_mask, real = ids[:, :-1], ids_mask[:, :-1], mask[rows, :L]
             if not fused:
                 logp = forward(models.policy, ids, ids_mask, L).float().div(T).log_softmax(-1)
-                with reference_weights(models, args):
+                with models.reference():
                     ref = forward(models.ref_policy, ids, ids_mask, L).float().div(T).log_softmax(-1)
                 kl[rows, :L] = (logp.exp() * (logp - ref)).sum(-1)
                 continue
             x = last_hidden(models.policy, ids, ids_mask, L)[real]  # (N, H)
-            with reference_weights(models, args):
+            with models.reference():
                 x_ref = last_hidden(models.ref_policy, ids, ids_mask, L)[real]
             kl_rows, n, head, ref_head = [], logprobs_chunk_rows(vocab_size), models.policy_head, models.ref_head
             for s in range(0, len(x), n):  # two (n, V) tensors, in place
@@ -1185,6 +1169,13 @@ def replay_batch(progress, batch, update, models, args, rt):
         train["weights"] = decoupled_weights(train["prox"], train["logprobs"], args.replay_weight_cap or 2.0)
         train["logprobs"] = train["prox"]  # the ratio's denominator
     return dict(train, kl_coef=batch["kl_coef"])
+
+
+def decoupled_weights(prox_logprobs, behaviour_logprobs, cap):
+    """Decoupled PPO's token weight min(π_prox/μ, c): from the policy μ that sampled a replayed
+    token to π_prox, the policy at the update's start, around which the clip is (Hilton et al.
+    2021; the cap as AReaL, Fu et al. 2025). (B, T); 1 on fresh tokens, where π_prox = μ."""
+    return (prox_logprobs - behaviour_logprobs).exp().clamp(max=cap)
 
 
 def prox_and_values(models, b, args, rt):
@@ -1279,6 +1270,12 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     return model
 
 
+def cache_keyword(model):
+    """The keyword of the KV cache in model.forward: `cache` since transformers 5.24, else
+    `past_key_values` (under peft, the wrapped model's)."""
+    return "cache" if "cache" in inspect.signature(backbone(model).forward).parameters else "past_key_values"
+
+
 def adapter_base(path, flag="model_name_or_path"):
     """The base model an adapter folder's adapter_config.json names; None for a model."""
     config = os.path.join(os.path.expanduser(path), "adapter_config.json")
@@ -1300,8 +1297,8 @@ def padding_id(tokenizer):
 
 
 def load_models(args, model_path, inputs, rt):
-    """Every model, on rt.device. Trained weights (with LoRA: adapters, value head) fp32 whatever
-    the storage; frozen ones (reference, reward models, LoRA bases) in --dtype's."""
+    """Every model, on rt.device, and the trained ones wrapped for training (wrap_for_training). Trained
+    weights (with LoRA: adapters, value head) fp32 whatever the storage; frozen ones in --dtype's."""
     tokenizer, frozen_dtype = inputs.tokenizer, rt.low_dtype or torch.float32
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args,
                              frozen_dtype if args.lora_r else torch.float32)
@@ -1336,14 +1333,16 @@ def load_models(args, model_path, inputs, rt):
         ref_head = policy_head
     elif ref_policy is not None and not (rt.fsdp and args.shard_frozen_models):
         ref_head = output_layer(ref_policy)
-    return SimpleNamespace(tokenizer=tokenizer, pad_token_id=padding_id(tokenizer),
-                           stop_token_ids=inputs.stop_token_ids, policy=policy,
-                           ref_policy=ref_policy, value_model=value_model, value_source=value_source,
-                           reward_models=reward_models, reward_fns=inputs.reward_fns, builtin_reward=builtin_reward,
-                           reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
-                                                       device=rt.device),
-                           policy_head=policy_head, ref_head=ref_head, base_paths=base_paths,
-                           source_dtypes=source_dtypes)
+    reference = policy.disable_adapter if args.lora_r else nullcontext  # around forwards of ref_policy
+    models = SimpleNamespace(tokenizer=tokenizer, pad_token_id=padding_id(tokenizer), reference=reference,
+                             stop_token_ids=inputs.stop_token_ids, policy=policy,
+                             ref_policy=ref_policy, value_model=value_model, value_source=value_source,
+                             reward_models=reward_models, reward_fns=inputs.reward_fns, builtin_reward=builtin_reward,
+                             reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
+                                                     device=rt.device),
+                             policy_head=policy_head, ref_head=ref_head, base_paths=base_paths,
+                             source_dtypes=source_dtypes)
+    return models, wrap_for_training(models, args, rt)
 
 
 def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, base_paths, rt):
@@ -1364,26 +1363,6 @@ def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary
     source = "value model from " + (f"--value_model_path {value_path}" if args.value_model_path else
                                     "the reward model" if value_path != model_path else "the policy")
     return value_model.to(rt.device), source, value_path
-
-
-def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
-    """This rank's prompts for update `update`: the next world_size x batch_size of an endless
-    stream of reshuffled passes; rank r's the r-th slice."""
-    start = (update * world_size + rank) * batch_size
-    passes = range(start // num_prompts, (start + batch_size - 1) // num_prompts + 1)
-    seeds = [seed * 1_000_003 + p for p in passes]  # not seed + p: seeds would share passes
-    stream = torch.cat([torch.randperm(num_prompts, generator=torch.Generator().manual_seed(s)) for s in seeds])
-    offset = start - passes[0] * num_prompts
-    return stream[offset : offset + batch_size]
-
-
-def left_pad(sequences, pad_token_id):
-    """Lists of token ids -> ids and attention mask (B, P), padded on the left."""
-    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in sequences], batch_first=True,
-                       padding_value=pad_token_id, padding_side="left")
-    mask = pad_sequence([torch.ones(len(s), dtype=torch.bool) for s in sequences], batch_first=True,
-                        padding_value=False, padding_side="left")
-    return ids, mask
 
 
 def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
@@ -1529,6 +1508,19 @@ def reward_call(fn, spec, fields):
     return how
 
 
+def text_scores(models, rm_scores, prompts, rows, completions, completion_ids, trainer_state, chunk, rt):
+    """Every source's scores (B, S), reward models first: rm_scores (those that read the policy's
+    token ids; the others score the text here, chunk rows at a time), then the reward functions."""
+    with rt.no_grad(), rt.autocast():
+        for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
+            if reward_tokenizer is not None:  # its own tokenizer: it reads the text
+                rm_scores[j] = torch.cat([score_texts(reward_model, reward_tokenizer, prompts, rows[i : i + chunk],
+                                                      completions[i : i + chunk]) for i in range(0, len(rows), chunk)])
+    # a vote, as for a non-finite loss: a reward function that fails on one rank stops them all
+    fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, completion_ids, trainer_state)
+    return torch.cat([*[s[:, None] for s in rm_scores], fn_scores.to(rt.device)], 1)
+
+
 def reward_function_scores(models, prompts, rows, completions, completion_ids, trainer_state):
     """Each reward function's scores of the completions to prompts[rows] -> (B, F), NaN where it
     gave None; TRL's arguments and the rows' fields. A failure is one line."""
@@ -1575,13 +1567,6 @@ def check_scores(scores, n, source):
     if bad:
         fail(f"{source} returned a non-finite score ({values[bad[0]]}) for completion {bad[0]}")
     return torch.tensor(values, dtype=torch.float32)
-
-
-def trainer_state(updates_done, sizes, args, prompts):
-    """What reward functions get as trainer_state (TRL's fields): updates done and in the run,
-    passes over the prompts."""
-    epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
-    return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
 
 
 def reward_text(reward_tokenizer, prompts, r, completion):
@@ -1876,9 +1861,17 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm):
 
 
 # ------------------------------ memory-efficient log-probs (systems: a first reading may skip this)
+def chunked_logprobs(x, tokens, temperature=1.0, head=None):
+    """(B, T, V) logits, or (B, T, H) hidden states and the output layer `head`, and tokens (B, T)
+    -> log π(token) and entropy H, (B, T), float32 and differentiable, in chunks (TokenLogprobs)."""
+    weight, bias = (None, None) if head is None else (head.weight, head.bias)
+    logprobs, entropy = TokenLogprobs.apply(x.flatten(0, 1), weight, bias, tokens.flatten(), temperature)
+    return logprobs.view(tokens.shape), entropy.view(tokens.shape)
+
+
 def logprobs_chunk_rows(vocab_size):
-    """Rows per chunk so that one float32 chunk of logits is about 64 MiB."""
-    return max(1, 2**24 // vocab_size)
+    """Rows per chunk so that one float32 chunk of logits is LOGITS_BUDGET."""
+    return max(1, LOGITS_BUDGET // vocab_size)
 
 
 def chunk_logits(x, weight, bias, temperature):
@@ -1981,11 +1974,6 @@ def add_lora(model, args, modules_to_save=None):
     return model
 
 
-def reference_weights(models, args):
-    """Context for a forward of models.ref_policy: with LoRA, the policy with its adapter off."""
-    return models.ref_policy.disable_adapter() if args.lora_r else nullcontext()
-
-
 def stable_path(args, path, model_path):
     """path, if it still holds the model's base weights after the run, else None (a LoRA run then
     saves them beside its adapter): not the built-in task's temp folder, a merged adapter."""
@@ -2071,7 +2059,7 @@ def save_final(model, models, args, output_dir, rt, num_updates):
             written["merged policy"] = dtype_name(dtype)
     by_dtype = {d: [w for w in written if written[w] == d] for d in written.values()}
     saved = ", ".join(f"{' and '.join(names)} ({d})" for d, names in by_dtype.items())
-    if rt.rank == 0:  # the completion marker, after the models: --resume auto reads it (run_complete)
+    if rt.rank == 0:  # the completion marker, after the models: --resume auto reads it (run_folder)
         with open(os.path.join(output_dir, "complete.json"), "w") as f:
             json.dump({"updates": num_updates, "saved": saved}, f)
     return saved
@@ -2226,18 +2214,18 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
     return start_update, progress
 
 
-def run_complete(args, output_dir, rt):
-    """--resume auto on a run whose final save wrote complete.json: say so, and what it saved. -> whether it is
-    complete, on every rank (rank 0's view of the folder decides)."""
-    path, marker = os.path.join(output_dir, "complete.json"), None
-    if args.resume == "auto" and os.path.isfile(path):
-        with open(path) as f:
+def run_folder(args, rt):
+    """--output_dir (default: default_output_dir), as rank 0 sees it, on every rank; None if --resume auto
+    finds there a run whose final save wrote complete.json: it says so, and what it saved."""
+    output_dir, marker = from_rank_0(args.output_dir or default_output_dir(args)), None
+    if args.resume == "auto" and os.path.isfile(os.path.join(output_dir, "complete.json")):
+        with open(os.path.join(output_dir, "complete.json")) as f:
             marker = json.load(f)
     marker = from_rank_0(marker)
     if marker and rt.rank == 0:
         say(f"--resume auto: {output_dir} holds a complete run of {marker['updates']} updates, nothing to resume; "
             f"saved there: {marker['saved']}")
-    return marker is not None
+    return None if marker else output_dir
 
 
 def default_output_dir(args):
@@ -2264,7 +2252,18 @@ def count_bad_updates(bad_updates, stop_reason, update, log):
     return bad_updates + 1
 
 
-STOP_SIGNALS = []  # (signal, time) appended by request_stop; main() checks it after every update
+STOP_SIGNALS = []  # (signal, time) appended by request_stop; checkpoint() reads it after every update
+
+
+def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models, log):
+    """After `update` updates: a checkpoint every --save_every, and one when a signal reached any rank
+    (a collective: every rank takes the same path). -> whether to stop (a signal; it says how to go on)."""
+    stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
+    if stop or (args.save_every and update % args.save_every == 0):
+        saved = save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models)
+        if stop:
+            log.print(f"saved {saved}; continue with the same flags plus: --output_dir {output_dir} --resume auto")
+    return stop
 
 
 def request_stop(signum, frame):
@@ -2299,16 +2298,6 @@ def say(*lines, file=None):
         os.close(devnull)
 
 
-class Clock:
-    """Seconds per phase of one update: lap(name) closes the phase since the previous lap."""
-
-    def __init__(self):
-        self.start, self.laps = time.perf_counter(), {}
-
-    def lap(self, name):
-        self.laps[name] = time.perf_counter() - self.start - sum(self.laps.values())
-
-
 @torch.no_grad()
 def update_stats(stats, mb, entropy, losses, tokens):
     """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`: its losses,
@@ -2323,6 +2312,18 @@ def update_stats(stats, mb, entropy, losses, tokens):
                        "ratio_fresh": torch.where(fresh, tokens["ratio"], 0.0),
                        "approxkl_fresh": torch.where(fresh, tokens["approxkl"], 0.0)}.items():
             stats[f"replay/{key}"].append(x.sum().float())
+
+
+def reward_model_spread(source_scores, num_reward_models):
+    """The reward models' disagreement on each response (B,): the std (ddof 0) of their scores, the
+    first num_reward_models columns of source_scores (B, S). A policy that games one of them moves
+    where they differ."""
+    return source_scores[:, :num_reward_models].std(1, correction=0)
+
+
+def explained_variance(residual_var, returns_var):
+    """1 − Var[R − V] / Var[R]: 1 is a perfect value function, 0 no better than a constant."""
+    return 1 - residual_var / returns_var
 
 
 def update_metrics(batch, trained, models, args, rt):
@@ -2471,11 +2472,18 @@ class Logger:
         if self.rt.rank == 0:
             say(*lines, file=file)
 
-    def update(self, update, lr, metrics, token_counts, clock, batch, prompts, rows, samples=()):
+    def start_update(self):
+        self.start, self.laps = time.perf_counter(), {}
+
+    def lap(self, name):
+        """Seconds of the phase `name`: since the previous lap, or the update's start."""
+        self.laps[name] = time.perf_counter() - self.start - sum(self.laps.values())
+
+    def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples=()):
         """One update into metrics.jsonl (with times, memory) and a line on stdout; sometimes
         samples; the evaluation's samples (rank 0's) into samples.jsonl, a few on stdout (and
         wandb)."""
-        t, num_updates, update, nan = clock.laps, self.sizes.num_updates, update + 1, float("nan")
+        t, num_updates, update, nan = self.laps, self.sizes.num_updates, update + 1, float("nan")
         self.first_update = update - 1 if self.first_update is None else self.first_update
         elapsed = time.time() - self.start_time
         eta = elapsed / (update - self.first_update) * (num_updates - update)
@@ -2484,7 +2492,7 @@ class Logger:
         m = self.last = {
             "update": update, "episode": update * self.sizes.batch_size, "lr": lr, **metrics,
             "eps": (update - self.first_update) * self.sizes.batch_size / elapsed,
-            "time/update_s": time.perf_counter() - clock.start, "time/generate_s": t["generate"],
+            "time/update_s": time.perf_counter() - self.start, "time/generate_s": t["generate"],
             "time/score_s": t["score"], "time/train_s": t["train"],
             "time/rollout_tokens_per_s": token_counts["rollout"] / t["generate"],
             "time/score_tokens_per_s": token_counts["score"] / t["score"],

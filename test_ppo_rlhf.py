@@ -310,7 +310,7 @@ def test_token_logprobs_match_cross_entropy_values_and_gradients(monkeypatch, dt
     logits = (3 * torch.randn(3, 7, 50, generator=gen)).to(dtype).requires_grad_()
     tokens = torch.randint(0, 50, (3, 7), generator=gen)
     weights = torch.randn(3, 7, generator=gen)
-    logprobs, entropy = P.token_logprobs(logits, tokens, temperature)
+    logprobs, entropy = P.chunked_logprobs(logits, tokens, temperature)
     assert logprobs.dtype == entropy.dtype == torch.float32
     (logprobs * weights).sum().backward()
 
@@ -330,7 +330,7 @@ def test_token_logprobs_keep_no_float32_copy_of_the_logits():
     logits = torch.randn(4, 6, 1000, dtype=torch.bfloat16, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        P.token_logprobs(logits, torch.randint(0, 1000, (4, 6)))[0].sum()
+        P.chunked_logprobs(logits, torch.randint(0, 1000, (4, 6)))[0].sum()
     big = [t for t in saved if t.numel() >= logits.numel()]
     assert big and all(t.dtype == torch.bfloat16 for t in big)  # only the input itself, no float32 (N, V) copy
 
@@ -343,7 +343,7 @@ def test_token_logprobs_from_hidden_states_match_the_full_logits(monkeypatch, bi
     hidden = torch.randn(3, 5, 8, generator=gen, requires_grad=True)
     tokens, weights = torch.randint(0, 50, (3, 5), generator=gen), torch.randn(3, 5, generator=gen)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logprobs, entropy = P.token_logprobs(hidden, tokens, 0.8, head)
+        logprobs, entropy = P.chunked_logprobs(hidden, tokens, 0.8, head)
     (logprobs * weights).sum().backward()
     ref_hidden = hidden.detach().double().requires_grad_()
     ref_head = torch.nn.Linear(8, 50, bias=bias).double()
@@ -359,7 +359,7 @@ def test_token_logprobs_from_hidden_states_match_the_full_logits(monkeypatch, bi
         assert param.grad.dtype == torch.float32 and torch.allclose(param.grad.double(), ref_param.grad, atol=tol)
     saved = []  # nothing of the size of the (N, V) logits is kept for backward (W is 8 x 50)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        P.token_logprobs(hidden, tokens, 0.8, head)
+        P.chunked_logprobs(hidden, tokens, 0.8, head)
     assert saved and max(t.numel() for t in saved) < 15 * 50
 
 
@@ -383,7 +383,7 @@ def test_an_entropy_term_in_the_loss_gets_the_gradient_of_autograd_through_log_s
     for loss_of in (lambda lp, h: (h * w_h).sum(), lambda lp, h: (lp * w_lp).sum() - 0.3 * (h * w_h).sum()):
         for p in params + ref_params:
             p.grad = None
-        logprobs, entropy = P.token_logprobs(x, tokens, 0.7, head)
+        logprobs, entropy = P.chunked_logprobs(x, tokens, 0.7, head)
         loss_of(logprobs, entropy).backward()
         log_p = ((ref_head(ref_x) if through_head else ref_x) / 0.7).log_softmax(-1)
         ref_entropy = -(log_p.exp() * log_p).sum(-1)
@@ -783,7 +783,7 @@ def test_extra_left_padding_changes_no_logprob_or_value(tiny, arch):
         assert torch.allclose(v_a, v_b, atol=1e-5)
         if arch == "gpt2":  # the test has teeth: without position_ids the log-probs do move
             no_pos = policy(input_ids=more_ids[:, :-1], attention_mask=more_mask[:, :-1]).logits[:, -4:]
-            assert (P.token_logprobs(no_pos, more_ids[:, -4:])[0] - a).abs().max() > 1e-3
+            assert (P.chunked_logprobs(no_pos, more_ids[:, -4:])[0] - a).abs().max() > 1e-3
 
 
 def test_generation_stops_at_the_stop_token(tiny):
@@ -3450,7 +3450,7 @@ def test_the_chunked_output_layer_makes_no_gradient_for_a_frozen_head(monkeypatc
     head = torch.nn.Linear(16, 50, bias=True)
     head.requires_grad_(not frozen)
     tokens = torch.randint(0, 50, (2, 6), generator=gen)
-    logprobs, entropy = P.token_logprobs(hidden, tokens, 1.0, head)
+    logprobs, entropy = P.chunked_logprobs(hidden, tokens, 1.0, head)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         (logprobs.sum() + entropy.sum()).backward()
     addmm = sum(e.count for e in prof.key_averages() if e.key == "aten::addmm_")  # ∂W += ∂zᵀ·x, per chunk
@@ -3482,7 +3482,7 @@ def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, mo
     metrics = read_metrics(args.output_dir)
     assert all(abs(m["policy/first_ratio"] - 1) < 1e-5 for m in metrics)
     assert metrics[-1]["eval/kl"] > 1e-3  # the held-out KL's reference is the base, the adapter switched off
-    assert loaded_models[0].ref_policy is loaded_models[0].policy  # no copy: the same weights, adapter off
+    assert loaded_models[0][0].ref_policy is loaded_models[0][0].policy  # no copy: the same weights, adapter off
     base = loaded(tiny, arch)
     for batch, logprobs, _, _ in calls:
         mask = batch["response_mask"]
