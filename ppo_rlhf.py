@@ -263,9 +263,8 @@ def masked_var(x, mask):
 
 
 def masked_whiten(x, mask, mean, var, shift_mean=True):
-    """(x − μ) / σ on the real entries, 0 elsewhere; shift_mean=False keeps μ (scales only). μ and
-    σ² are the caller's: under torchrun, those of the global batch (global_mean_var), so that every
-    rank whitens alike."""
+    """(x − μ) / σ on the real entries, 0 elsewhere (shift_mean=False keeps μ). μ, σ²: under
+    torchrun the global batch's (global_mean_var), so that every rank whitens alike."""
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return torch.where(mask, whitened if shift_mean else whitened + mean, 0.0)
 
@@ -288,10 +287,8 @@ def response_lengths(responses, stop_token_ids):
 
 
 def kl_estimate(logprobs, ref_logprobs, kl_estimator):
-    """Per-token estimate of KL(π‖π_ref) from tokens sampled by π: k1 = −log ρ, k2 = ½(log ρ)², k3 =
-    ρ − 1 − log ρ, with ρ = π_ref/π (Schulman 2020, "Approximating KL divergence"). k1 and k3 are
-    unbiased, k2 is biased but is the one whose expected gradient as a loss is ∇KL(π‖π_ref) (see
-    --kl_estimator)."""
+    """KL(π‖π_ref) per token sampled by π, ρ = π_ref/π (Schulman 2020): k1 = −log ρ, k3 = ρ − 1 −
+    log ρ (unbiased); k2 = ½(log ρ)² (biased; as a loss its gradient is ∇KL)."""
     log_ratio = ref_logprobs - logprobs
     if kl_estimator == "k2":
         return 0.5 * log_ratio**2
@@ -299,17 +296,14 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator):
 
 
 def adaptive_kl_coef(kl_coef, kl, target, batch_size, horizon):
-    """The adaptive KL controller of Ziegler et al. 2019: β ← β·(1 + clip(KL/target − 1, −0.2,
-    0.2)·batch/horizon), KL the batch's mean KL per response: β grows while the policy runs away
-    from π_ref, shrinks while it stays near."""
+    """Ziegler et al. 2019: β ← β·(1 + clip(KL/target − 1, ±0.2)·batch/horizon), KL per response:
+    β grows while the policy runs from π_ref, shrinks while it stays near."""
     return kl_coef * (1 + min(max(kl / target - 1, -0.2), 0.2) * batch_size / horizon)
 
 
 def shaped_scores(scores, lengths, std, args):
-    """The sequence score shaped as the flags say, in this order: / std (--score_scaling
-    running_std: the running standard deviation, see running_moments), clipped to ±--score_clip, −
-    λ·length, − DAPO's overlong penalty p·(len − (max − L))/L over the last L = --overlong_buffer
-    tokens of max = --response_length. (B,) -> (B,)."""
+    """The score (B,): / running std (--score_scaling), clipped (--score_clip), − λ·length, − DAPO's
+    overlong penalty p·(len − (max − L))/L over the last L = --overlong_buffer tokens."""
     if args.score_scaling == "running_std":
         scores = scores / std
     if args.score_clip is not None:
@@ -323,9 +317,8 @@ def shaped_scores(scores, lengths, std, args):
 
 
 def running_moments(moments, mean, var, n):
-    """Merge a batch's mean and unbiased variance of n values into the running (count, mean, M2)
-    (Chan et al. 1979). -> the new moments and the running standard deviation (1 until there are two
-    values)."""
+    """A batch's mean and unbiased variance of n values merged into (count, mean, M2) (Chan et al.
+    1979). -> the new moments, the running std (1 until there are two values)."""
     count, running_mean, m2 = moments
     delta, total = mean - running_mean, count + n
     m2 = m2 + var * (n - 1) + delta**2 * count * n / total
@@ -339,10 +332,8 @@ def has_value_model(advantage_estimator):
 
 
 def baselined_scores(scores, num_generations, advantage_estimator):
-    """The score s_i (B,) minus its baseline, from the k = num_generations consecutive responses to
-    one prompt (a group g): rloo s_i − (Σ_g s − s_i)/(k − 1); grpo (s_i − mean_g)/(std_g + 1e-4)
-    (std unbiased, as TRL); dr_grpo and reinforce_pp_baseline s_i − mean_g; gae and reinforce_pp s_i
-    itself."""
+    """s_i (B,) minus its group's baseline (k consecutive rows): rloo s_i − mean of the others; grpo
+    (s_i − mean)/(std + 1e-4); dr_grpo, reinforce_pp_baseline s_i − mean; gae, reinforce_pp s_i."""
     if advantage_estimator in ("gae", "reinforce_pp"):
         return scores
     groups = scores.view(-1, num_generations)  # (B/k, k)
@@ -364,9 +355,8 @@ def per_token_rewards(scores, kl, response_mask, kl_coef):
 
 
 def gae(rewards, values, response_mask, gamma, lam):
-    """δ_t = r_t + γ·V_{t+1} − V_t;  A_t = δ_t + γλ·A_{t+1};  R_t = A_t + V_t. V and A are 0 after
-    the last real token, so the episode ends there (at the stop token or at response_length). (B, T)
-    -> (B, T), (B, T)."""
+    """δ_t = r_t + γ·V_{t+1} − V_t;  A_t = δ_t + γλ·A_{t+1};  R_t = A_t + V_t; V, A are 0 after the
+    last real token (the episode ends). (B, T) -> (B, T), (B, T)."""
     values = torch.where(response_mask, values, 0.0)
     rewards = torch.where(response_mask, rewards, 0.0)
     advantages = torch.zeros_like(rewards)
@@ -379,10 +369,8 @@ def gae(rewards, values, response_mask, gamma, lam):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, cliprange, cliprange_high=None, dual_clip=None):
-    """The clipped surrogate per token (B, T): max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), and where A < 0
-    at most c·|A| (dual clip: a huge ρ on a bad token cannot blow up the loss). -> the loss and the
-    tokens' statistics (B, T): ρ, approx KL(π_old‖π_θ) ≈ (ρ − 1) − log ρ (k3, unbiased, >= 0), where
-    the clip is active, where the dual clip is (None: off), where ρ is outside [1 − ε, 1 + ε_high]."""
+    """Per token max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), at most c·|A| where A < 0 (dual clip). -> it
+    (B, T); per token: ρ, approx KL (ρ − 1) − log ρ, clipped, dual-clipped (None: off), outside."""
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     low, high = 1.0 - cliprange, 1.0 + (cliprange_high or cliprange)
@@ -414,11 +402,9 @@ def value_loss(values, old_values, returns, mask, cliprange_value):
 
 
 def aggregate(x, mask, loss_agg, response_length):
-    """A minibatch's loss from per-token terms x (B, T), as --loss_agg says: token_mean Σ x / Σ m;
-    seq_mean_token_mean the mean over responses of Σ_t x / length; seq_mean_token_sum_norm Σ x /
-    (B·response_length), a constant denominator (Dr. GRPO: no length bias). B counts the responses
-    with a token in the loss (all but those that --mask_truncated_completions leaves out); 0 if
-    there are none."""
+    """A minibatch's loss from per-token x (B, T): token_mean Σx/Σm; seq_mean_token_mean mean over
+    responses of Σ_t x/length; seq_mean_token_sum_norm Σx/(B·response_length) (Dr. GRPO); B counts
+    responses with a token in the loss (0 if none)."""
     if loss_agg == "token_mean":
         return masked_mean(x, mask)
     per_response, responses = torch.where(mask, x, 0.0).sum(-1), mask.any(-1).sum().clamp(min=1)
@@ -458,8 +444,7 @@ LOGITS_BUDGET = 2**24  # float32 logits held at once (64 MiB); past it, log-prob
 
 def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
     """log π(y_t|s_t) and entropy at every response position (B, R): position context_length−1+t
-    predicts y_t. head: output_layer(policy) or None; with it, logits past one chunk are never
-    whole."""
+    predicts y_t. head: output_layer(policy) or None."""
     responses = query_responses[:, context_length:]
     ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
     if head is not None and responses.numel() * head.out_features > LOGITS_BUDGET:
@@ -515,9 +500,8 @@ def left_pad(sequences, pad_token_id):
 
 def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_ids, pad_token_id, sync_ranks=False,
              generator=None):
-    """Sample y_t ~ softmax(z_t / T) (T = 0: argmax) with a KV cache. -> responses and log
-    π_old(y_t|s_t), (B, L), pad and 0 after a row's stop id. sync_ranks: step until all ranks are
-    done (FSDP). generator: a random stream of its own."""
+    """y_t ~ softmax(z_t / T) (T = 0: argmax) with a KV cache -> responses, log π_old(y_t|s_t)
+    (B, L), pad and 0 after a stop id. sync_ranks: step until all ranks are done (FSDP)."""
     # exactly the policy we train (no top-k/top-p); T = 0 gets T = 1's log-probs; under no_grad
     cache = {cache_keyword(policy): DynamicCache(config=policy.config)}  # its keyword: a version shim
     ids, mask = queries, query_mask
@@ -541,9 +525,8 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
 
 
 def rollout(models, queries, query_mask, args, rt, temperature=None, generator=None):
-    """Phase 1: sample a response to each query (B, P) with π_old, keeping log π_old. ->
-    query_responses, attention_mask, response_mask (B, R; True = real), lengths, truncated (B,),
-    logprobs, context_length. temperature, generator: the evaluation's."""
+    """Phase 1: a response to each query (B, P) from π_old, with log π_old -> query_responses,
+    attention_mask, response_mask (B, R), lengths, truncated (B,), logprobs, context_length."""
     chunk, pad, stop = args.local_rollout_forward_batch_size, models.pad_token_id, models.stop_token_ids
     with rt.no_grad(), rt.autocast(), gathered(models.policy, rt.fsdp and args.rollout_unshard):
         generated = [generate(models.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
@@ -579,9 +562,8 @@ def trainer_state(updates_done, sizes, args, prompts):
 
 
 def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
-    """Phase 2: no-grad forwards of the frozen models. -> ref_logprobs, values (B, R; 0 on padding),
-    completions, source_scores (B, S; NaN: None), raw_scores (B,) = Σ w·s over the sources that
-    scored. scores_only: the reward sources only."""
+    """Phase 2: no-grad forwards of the frozen models -> ref_logprobs, values (B, R), completions,
+    source_scores (B, S; NaN: None), raw_scores Σ w·s (B,). scores_only: reward sources only."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
     logprobs = batch["logprobs"]  # (B, R), the sampler's; recomputed below under bf16/fp16
     ref_logprobs, values = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, R)
@@ -617,9 +599,8 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
 
 # ----------------------------------------------------------------------------------- the PPO update
 def advantages_and_returns(rewards, values, mask, args):
-    """Phase 4: A_t and R_t = A_t + V_t by GAE; value-free estimators: V = 0 and λ = 1, so A_t =
-    Σ_{t'≥t} γ^(t'−t)·r_t', the reward-to-go. Whitened over the global batch (all ranks), except group
-    baselines. (B, R) -> (B, R), (B, R)."""
+    """Phase 4: A_t, R_t = A_t + V_t by GAE (value-free: V = 0, λ = 1, the reward-to-go), whitened
+    over the global batch except group baselines. (B, R) -> (B, R), (B, R)."""
     lam = args.lam if has_value_model(args.advantage_estimator) else 1.0
     advantages, returns = gae(rewards, values, mask, args.gamma, lam)
     if args.advantage_estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
@@ -693,9 +674,8 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
 
 
 def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
-    """One micro-batch's loss terms: the policy's, aggregated as --loss_agg: L_clip (+ β·KL with
-    --kl_in loss, − c_H·entropy with --entropy_coef), and the value loss L_V (a token mean; None
-    without a value model). -> those two, the named losses, policy_loss's token statistics."""
+    """One micro-batch's loss: the policy term (L_clip + β·KL, --kl_in loss, − c_H·H, as --loss_agg)
+    and L_V (None without V). -> those, the named losses, policy_loss's token statistics."""
     mask, w = mb["response_mask"], mb.get("weights", 1.0)  # w: decoupled_weights (replay)
     agg = lambda x: aggregate(w * x, mask, args.loss_agg, args.response_length)  # noqa: E731
     pg_tokens, tokens = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], args.cliprange,
@@ -1105,36 +1085,29 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
 
 
 def exact_kl(models, batch, args, rt):
-    """Σ_t Σ_v π_θ·(log π_θ − log π_ref) per response (B,) at --temperature, within the log-prob
-    chunk budget: from hidden states by chunks; without a usable output layer (FSDP, a logit
-    transform), from the logits of as few sequences as fit, one at least."""
-    mask, T = batch["response_mask"], args.temperature
-    vocab_size = models.policy.get_output_embeddings().weight.shape[0]
-    fused = models.policy_head is not None and models.ref_head is not None
-    R = mask.shape[1]
-    chunk = args.local_rollout_forward_batch_size if fused else max(1, logprobs_chunk_rows(vocab_size) // R)
-    kl = torch.zeros(mask.shape, device=mask.device)  # (B, R)
+    """Σ_t Σ_v π_θ·(log π_θ − log π_ref) per response (B,) at --temperature, by chunks of logits: from
+    hidden states and the output layers, or (none usable: FSDP, a logit transform) from logits."""
+    mask, T, head, ref_head = batch["response_mask"], args.temperature, models.policy_head, models.ref_head
+    fused = head is not None and ref_head is not None
+    n = logprobs_chunk_rows(models.policy.get_output_embeddings().weight.shape[0])  # rows of one (n, V)
+    chunk = args.local_rollout_forward_batch_size if fused else max(1, n // mask.shape[1])  # sequences
+    hidden_or_logits, kl = last_hidden if fused else forward, torch.zeros(mask.shape, device=mask.device)
+    layers = [(h.weight, h.bias) if fused else (None, None) for h in (head, ref_head)]  # chunk_logits's
     with rt.no_grad(), rt.autocast():
         for rows, L, ids, ids_mask in response_chunks(batch, chunk):
             ids, ids_mask, real = ids[:, :-1], ids_mask[:, :-1], mask[rows, :L]
-            if not fused:
-                logp = forward(models.policy, ids, ids_mask, L).float().div(T).log_softmax(-1)
-                with models.reference():
-                    ref = forward(models.ref_policy, ids, ids_mask, L).float().div(T).log_softmax(-1)
-                kl[rows, :L] = (logp.exp() * (logp - ref)).sum(-1)
-                continue
-            x = last_hidden(models.policy, ids, ids_mask, L)[real]  # (N, H)
+            x = hidden_or_logits(models.policy, ids, ids_mask, L)[real]  # (N, H) or (N, V)
             with models.reference():
-                x_ref = last_hidden(models.ref_policy, ids, ids_mask, L)[real]
-            kl_rows, n, head, ref_head = [], logprobs_chunk_rows(vocab_size), models.policy_head, models.ref_head
+                x_ref = hidden_or_logits(models.ref_policy, ids, ids_mask, L)[real]
+            kl_rows = []
             for s in range(0, len(x), n):  # two (n, V) tensors, in place
-                logp = chunk_logits(x[s : s + n], head.weight, head.bias, T)
+                logp = chunk_logits(x[s : s + n], *layers[0], T)
                 logp -= logp.logsumexp(-1, keepdim=True)
-                ref = chunk_logits(x_ref[s : s + n], ref_head.weight, ref_head.bias, T)
+                ref = chunk_logits(x_ref[s : s + n], *layers[1], T)
                 ref = ref.sub_(ref.logsumexp(-1, keepdim=True)).neg_().add_(logp)  # log π/π_ref
                 kl_rows.append(logp.exp_().mul_(ref).sum(-1))
             kl[rows, :L] = kl[rows, :L].masked_scatter(real, torch.cat(kl_rows))
-    return torch.where(mask, kl, 0.0).sum(1)
+    return kl.sum(1)
 
 
 # ------------------------------------------------------ replay: off-policy updates (--replay_rounds)
@@ -1727,15 +1700,6 @@ def all_ranks_objects(obj):
     return objects
 
 
-def from_rank_0(obj):
-    """Rank 0's value of a picklable object, on every rank (obj itself in a single process)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder)
-    return holder[0]
-
-
 def agreed(check, *args):
     """check(*args) on every rank; if it fails on any, all stop and rank 0 prints the first
     failure's line (any exception: one line too, so no rank waits). No collective inside check. ->
@@ -2179,8 +2143,8 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
         return 0, no_progress(args)
     metrics_path, auto = os.path.join(output_dir, "metrics.jsonl"), args.resume == "auto"
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
-    candidates = from_rank_0((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
-                             if auto else [args.resume])
+    candidates = all_ranks_objects((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
+                                   if auto else [args.resume])[0]
     start_update, progress = 0, no_progress(args)
     for i, path in enumerate(candidates):
         try:
@@ -2217,11 +2181,11 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
 def run_folder(args, rt):
     """--output_dir (default: default_output_dir), as rank 0 sees it, on every rank; None if --resume auto
     finds there a run whose final save wrote complete.json: it says so, and what it saved."""
-    output_dir, marker = from_rank_0(args.output_dir or default_output_dir(args)), None
+    output_dir, marker = all_ranks_objects(args.output_dir or default_output_dir(args))[0], None  # rank 0's
     if args.resume == "auto" and os.path.isfile(os.path.join(output_dir, "complete.json")):
         with open(os.path.join(output_dir, "complete.json")) as f:
             marker = json.load(f)
-    marker = from_rank_0(marker)
+    marker = all_ranks_objects(marker)[0]
     if marker and rt.rank == 0:
         say(f"--resume auto: {output_dir} holds a complete run of {marker['updates']} updates, nothing to resume; "
             f"saved there: {marker['saved']}")
@@ -2454,9 +2418,10 @@ class Logger:
                    + (f"; LoRA r {args.lora_r}: {trained:,} of {every:,} parameters train" if args.lora_r else ""))
         self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)
         self.window, self.hinted = deque(maxlen=args.health_window), {}  # {hint: update}
-        self.absent = ({"objective/kl"} if models.ref_policy is None else set()) | (
-            {"loss/value_avg", "val/explained_variance"} if models.value_model is None else set()) | (
-            {"objective/rm_spread"} if len(models.reward_models) < 2 else set())
+        value = models.value_model is not None  # the columns a run has
+        has = {"objective/kl": models.ref_policy is not None, "loss/value_avg": value, "val/explained_variance": value,
+               "objective/rm_spread": len(models.reward_models) > 1}
+        self.shown = [(name, key, fmt) for name, key, fmt in self.SHOWN if has.get(key, True)]
 
     SHOWN = [("kl", "objective/kl", ".3f"), ("approxkl", "policy/approxkl_avg", ".4f"),
              ("clipfrac", "policy/clipfrac_avg", ".3f"), ("vloss", "loss/value_avg", ".4f"),
@@ -2508,9 +2473,8 @@ class Logger:
                 self.wandb.log({**m, **({"eval/samples": table} if samples else {})}, step=update)
         success = f"success {m['objective/success_rate']:4.0%}  " if "objective/success_rate" in m else ""
         hms = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
-        shown = [(name, key, fmt) for name, key, fmt in self.SHOWN if key not in self.absent]
         self.print(f"update {update}/{num_updates}  {success}score {m['objective/scores']:.3f}  "
-                   + "".join(f"{name} {m.get(key, nan):{fmt}}  " for name, key, fmt in shown) + "| "
+                   + "".join(f"{name} {m.get(key, nan):{fmt}}  " for name, key, fmt in self.shown) + "| "
                    f"{m['time/update_s']:.2f}s: generate {t['generate']:.2f}  score {t['score']:.2f}  "
                    f"train {t['train']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, eta {hms(eta)}")
         self.window.append(m)  # stays empty with --health_window 0

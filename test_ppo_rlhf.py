@@ -1,6 +1,7 @@
 """Tests for ppo_rlhf.py: the math against naive float64 references and closed forms, model-level invariants on
 tiny GPT-2 and Llama models saved with save_pretrained and loaded back, and the whole loop end to end. CPU only,
 nothing downloaded. Run: pytest -q test_ppo_rlhf.py"""
+import contextlib
 import dataclasses
 import glob
 import json
@@ -1385,7 +1386,7 @@ def test_trained_weights_and_their_optimizer_state_are_fp32_and_frozen_ones_in_t
 
     monkeypatch.setattr(P, "ppo_epochs", epochs)
     P.main(run_args(tiny, tmp_path, dtype=dtype, lora_r=4 if lora else 0, total_episodes=8))
-    models = seen["models"]
+    models = seen["models"][0]
     assert set(seen["trained"].values()) == {torch.float32} and seen["state"] == {torch.float32}
     assert len(seen["trained"]) > 10 and (len(seen["frozen"]) > 10) == lora
     if lora:
@@ -1734,8 +1735,8 @@ def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path, monkeypatch, fused)
         assert len(forwards) == start, forwards[start:]
         if fused:  # the KL's logits from hidden states, 4 positions at a time
             assert widths and max(widths) <= 4 and rows == []
-        else:  # the (1, R, V) logits of one sequence at a time, of the policy and the reference
-            assert widths == [] and rows == [1] * 6
+        else:  # the (1, R, V) logits of one sequence at a time, of the policy and the reference, 4 rows at a time
+            assert widths and max(widths) <= 4 and rows == [1] * 6
         return result
 
     monkeypatch.setattr(P, "evaluate", evaluate)
@@ -3362,7 +3363,8 @@ def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_bat
                              ref_policy=AutoModelForCausalLM.from_pretrained(tiny["gpt2"], dtype=torch.float32),
                              value_model=None, reward_models=[], builtin_reward=False, reward_weights=torch.ones(1),
                              reward_fns=[(num_words, "num_words", P.POSITIONAL)], tokenizer=tokenizer,
-                             pad_token_id=tokenizer.pad_token_id, stop_token_ids=[5], policy_head=None, ref_head=None)
+                             pad_token_id=tokenizer.pad_token_id, stop_token_ids=[5], policy_head=None, ref_head=None,
+                             reference=contextlib.nullcontext)
     args = P.Args(response_length=6)
     state = SimpleNamespace(global_step=2, max_steps=2, epoch=0.4)
     alone, samples = P.evaluate(models, P.load_prompts(tiny["txt"], args, tokenizer, None), 1, args, P.Runtime(),
