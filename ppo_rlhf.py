@@ -1,29 +1,30 @@
-"""PPO for RLHF in one file: fine-tune a language model against a reward model (or a reward function).
+"""PPO for RLHF in one file: fine-tune a language model against a reward model or reward function.
 
-    python ppo_rlhf.py                       # built-in toy task, offline, CPU, ~2 min: a tiny Llama learns to add
-    python ppo_rlhf.py --model_name_or_path <sft> --reward_model_path <rm> --dataset prompts.jsonl ...
-    torchrun --nproc_per_node 8 ppo_rlhf.py --distributed fsdp ...        # one node; --nnodes M ... for several
+    python ppo_rlhf.py                  # built-in toy task, offline, CPU, ~2 min: a tiny Llama adds
+    python ppo_rlhf.py --model_name_or_path <sft> --reward_model_path <rm> --dataset prompts.jsonl
+    torchrun --nproc_per_node 8 ppo_rlhf.py --distributed fsdp ...   # one node; --nnodes M: several
 
-A state s_t is the prompt x plus the response so far y_<t, an action is the next token y_t. For a response
-y_1..y_L sampled from π_old (the policy that generated it) the per-token reward and the losses are
-    r_t    = −β·KL_t + [t = L]·score(x, y)        KL_t = log π_old(y_t|s_t) − log π_ref(y_t|s_t)    (k1)
+A state s_t is the prompt x plus the response so far y_<t, an action is the next token y_t. For a
+response y_1..y_L sampled from π_old (the policy that generated it), per token:
+    r_t    = −β·KL_t + [t = L]·score(x, y)       KL_t = log π_old(y_t|s_t) − log π_ref(y_t|s_t)
     A_t    = GAE(γ, λ) of r_t with the value model V(s_t);   R_t = A_t + V_old(s_t)
-    L_clip = −E_t[min(ρ_t·A_t, clip(ρ_t, 1−ε, 1+ε)·A_t)]       ρ_t = π_θ(y_t|s_t) / π_old(y_t|s_t)
-    L_V    = ½·E_t[max((V − R_t)², (clip(V, V_old ± ε_v) − R_t)²)]        loss = L_clip + c_v·L_V
-PPO is on-policy: sample a batch with the current policy and keep each token's log-prob, take num_ppo_epochs
-passes of small steps over that fresh batch, then throw it away. ρ_t corrects for π_θ drifting from π_old
-inside those epochs, but only for the choice of token, not for the states a drifted policy would visit; the
-clip, the KL penalty to π_ref and target_kl early stopping keep π_θ close enough for that to hold.
-Its relatives (RLOO, GRPO, Dr. GRPO, REINFORCE++, KL as a loss, clip variants, replay of older batches: off-policy)
-are switches, each a few lines next to the formula it changes. Follows Schulman et al. 2017 (PPO), Ziegler et al.
-2019 and Stiennon et al. 2020 (RLHF), Huang et al. 2024 ("The N+ implementation details of RLHF with PPO"); names
-follow TRL's. Differs from TRL on purpose: the score lands on the last real response token (TRL: one past it),
-every forward gets position_ids, sampling is a plain loop over softmax(z / T), and the loss is the token mean over
-the whole minibatch on all devices (TRL: a mean of micro-batch means).
+    L_clip = −E_t[min(ρ_t·A_t, clip(ρ_t, 1−ε, 1+ε)·A_t)]      ρ_t = π_θ(y_t|s_t) / π_old(y_t|s_t)
+    L_V    = ½·E_t[max((V − R_t)², (clip(V, V_old ± ε_v) − R_t)²)]       loss = L_clip + c_v·L_V
+PPO is on-policy: sample a batch with the current policy, keep each token's log-prob, take
+num_ppo_epochs passes of small steps over that fresh batch, throw it away. ρ_t corrects for π_θ
+drifting from π_old inside those epochs, but only for the choice of token, not for the states a
+drifted policy would visit: the clip, the KL penalty to π_ref and target_kl early stopping keep π_θ
+close enough for that to hold. Its relatives (RLOO, GRPO, Dr. GRPO, REINFORCE++, KL as a loss, clip
+variants, replay of older batches) are switches, each a few lines next to the formula it changes.
+Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF), Huang et
+al. 2024 ("The N+ implementation details of RLHF with PPO"); names as TRL's. Differs from TRL on
+purpose: the score lands on the last real response token (TRL: one past it), every forward gets
+position_ids, sampling is a plain loop over softmax(z / T), and the loss is the token mean over the
+whole minibatch on all devices (TRL: a mean of micro-batch means).
 
-The first reading path, complete PPO-RLHF: options (Args, derive_sizes) · math (pure) · π and V on padded batches ·
-rollout and scoring · the PPO update · main. Behind it: flag and input checks · the held-out evaluation · replay ·
-models, data and rewards · systems: distributed · memory-efficient log-probs · LoRA · checkpoints · logging.
+The first reading path, complete PPO-RLHF: options · math · π and V on padded batches · rollout and
+scoring · the PPO update · main. Behind it: checks · evaluation · replay · models, data and rewards
+· systems: distributed · memory-efficient log-probs · LoRA · checkpoints · logging.
 """
 import asyncio
 import atexit
@@ -92,7 +93,6 @@ class Args:
     """keep this many newest checkpoints (0: keep all)"""
     resume: Optional[str] = None
     """`auto`: continue from the newest checkpoint of output_dir (if any); or a checkpoint folder"""
-
     # --- models and data
     model_name_or_path: str = "builtin"
     """policy (SFT) checkpoint, hub name or folder; `builtin`: the toy task's tiny Llama"""
@@ -118,7 +118,6 @@ class Args:
     """prompts over max_prompt_length: error, filter (leave out), truncate_left (keep the last; chat rows: filter)"""
     trust_remote_code: bool = False
     """allow models and tokenizers that ship their own code"""
-
     # --- rollout
     total_episodes: int = 51200
     """responses sampled over the run; updates = total_episodes // rollout batch"""
@@ -146,7 +145,6 @@ class Args:
     """leave responses cut off before a stop id out of the loss"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation and scoring forward"""
-
     # --- PPO
     per_device_train_batch_size: int = 128
     """responses per micro-batch; rollout batch = this x gradient_accumulation_steps"""
@@ -198,7 +196,6 @@ class Args:
     """naive: ρ = π_θ/μ (μ: the sampler); decoupled: π_θ/π_prox, weighted min(π_prox/μ, c)"""
     replay_weight_cap: Optional[float] = None
     """c of --replay_correction decoupled (unset: 2)"""
-
     # --- optimisation
     learning_rate: float = 1e-3
     """AdamW learning rate (suits the toy task; real models want ~1e-6 to 3e-6)"""
@@ -206,7 +203,6 @@ class Args:
     """decay the learning rate linearly to 0 over the run"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm of policy + value parameters"""
-
     # --- LoRA (needs `pip install peft`)
     lora_r: int = 0
     """LoRA rank r (0: off): adapters W + (α/r)·B·A train; π_ref: the adapter switched off"""
@@ -216,7 +212,6 @@ class Args:
     """layers that get adapters; default every linear layer of attention and MLP (not the output)"""
     merge_lora: bool = False
     """with --lora_r: also write policy_merged/, the base with the adapter merged in"""
-
     # --- system
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """autocast dtype; trained weights and AdamW stay fp32 (16 B/param), frozen ones this"""
@@ -224,7 +219,6 @@ class Args:
     """dtype of the saved policy and value model (auto: the source checkpoint's)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~1/3 more compute"""
-
     # --- distributed (under torchrun; batch sizes above are per device)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     """ddp: whole models on every device; fsdp: FSDP2 shards weights, gradients, optimizer state"""
@@ -237,8 +231,7 @@ class Args:
 
 
 def derive_sizes(args, world_size):
-    """The batch sizes per rank (`local_`) and over all ranks: a rollout batch, split into
-    minibatches (one optimizer step each) of micro-batches."""
+    """Batch sizes per rank (`local_`) and over all: rollout batch, minibatches, micro-batches."""
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     local_mini_batch_size = local_batch_size // args.num_mini_batches
     batch_size = local_batch_size * world_size  # responses per update over all ranks
@@ -269,21 +262,16 @@ def masked_whiten(x, mask, mean, var, shift_mean=True):
     return torch.where(mask, whitened if shift_mean else whitened + mean, 0.0)
 
 
-def first_true_index(bools):
-    """(B, T) -> (B,): index of the first True in each row, T where there is none."""
-    t = bools.shape[-1]
-    return torch.where(bools, torch.arange(t, device=bools.device), t).min(-1).values
-
-
 def is_stop(tokens, stop_token_ids):
     """Which tokens are stop ids (a list of ints; none: no token is). Same shape as tokens."""
     return torch.isin(tokens, torch.tensor(stop_token_ids, dtype=tokens.dtype, device=tokens.device))
 
 
 def response_lengths(responses, stop_token_ids):
-    """Real tokens per response: up to and including the first stop id, all of them if there is
-    none."""
-    return (first_true_index(is_stop(responses, stop_token_ids)) + 1).clamp(max=responses.shape[1])
+    """Real tokens per response (B, R) -> (B,): up to and including the first stop id, else all R."""
+    R = responses.shape[1]
+    ends = torch.arange(1, R + 1, device=responses.device)  # the length if a token is the first stop
+    return torch.where(is_stop(responses, stop_token_ids), ends, R).min(-1).values
 
 
 def kl_estimate(logprobs, ref_logprobs, kl_estimator):
@@ -801,29 +789,29 @@ def fail(message):
 
 
 # What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
-FLAG_RANGES = {">= 1": (lambda v: v >= 1, ["per_device_train_batch_size", "gradient_accumulation_steps",
-                                          "num_mini_batches", "num_ppo_epochs", "response_length",
-                                          "local_rollout_forward_batch_size", "total_episodes", "num_generations",
-                                          "adaptive_kl_horizon"]),
-               "> 0": (lambda v: v > 0, ["temperature", "cliprange", "cliprange_value", "max_grad_norm",
-                                        "dist_timeout_s", "lora_alpha"]),
-               ">= 0": (lambda v: v >= 0, ["learning_rate", "kl_coef", "vf_coef", "save_every", "save_total_limit",
-                                          "num_sample_generations", "lora_r", "eval_temperature",
-                                          "overlong_buffer", "health_window", "replay_rounds"]),
-               "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
-               "> 0 (or unset)": (lambda v: v is None or v > 0, ["target_kl", "adaptive_kl_target", "cliprange_high",
-                                                                 "score_clip"]),
-               "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
-               ">= 1 (or unset)": (lambda v: v is None or v >= 1, ["replay_weight_cap", "max_prompt_length"]),
-               "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
-                                                           ["stop_token_id"]),
-               "a finite number (or unset)": (lambda v: True, ["missing_eos_penalty", "entropy_coef",
-                                                               "length_penalty", "overlong_penalty"])}
+FLAG_RANGES = {
+    ">= 1": (lambda v: v >= 1, "per_device_train_batch_size gradient_accumulation_steps"
+             " num_mini_batches num_ppo_epochs response_length local_rollout_forward_batch_size"
+             " total_episodes num_generations adaptive_kl_horizon".split()),
+    "> 0": (lambda v: v > 0, "temperature cliprange cliprange_value max_grad_norm dist_timeout_s"
+            " lora_alpha".split()),
+    ">= 0": (lambda v: v >= 0, "learning_rate kl_coef vf_coef save_every save_total_limit"
+             " num_sample_generations lora_r eval_temperature overlong_buffer health_window"
+             " replay_rounds".split()),
+    "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
+    "> 0 (or unset)": (lambda v: v is None or v > 0, "target_kl adaptive_kl_target cliprange_high"
+                       " score_clip".split()),
+    "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
+    ">= 1 (or unset)": (lambda v: v is None or v >= 1, ["replay_weight_cap", "max_prompt_length"]),
+    "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
+                                                ["stop_token_id"]),
+    "a finite number (or unset)": (lambda v: True, "missing_eos_penalty entropy_coef length_penalty"
+                                   " overlong_penalty".split()),
+}
 
 
 def check_args(args):
-    """Every check that needs only the flags (and torchrun's WORLD_SIZE), before anything is loaded
-    or started. -> the derived sizes (derive_sizes)."""
+    """Every check that needs only the flags (and torchrun's WORLD_SIZE). -> the derived sizes."""
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
     for allowed, (ok, flags) in FLAG_RANGES.items():
@@ -834,91 +822,91 @@ def check_args(args):
     for field in fields(args):  # Args(reward_fn="m:f")
         if "list" in str(field.type) and isinstance(getattr(args, field.name), str):
             fail(f"--{field.name} takes a list: {field.name}=[{getattr(args, field.name)!r}]")
-    num_sources = len(args.reward_model_path or []) + len(args.reward_fn or []) or 1  # none: built-in
+    num_sources = len(args.reward_model_path or []) + len(args.reward_fn or []) or 1  # 0: built-in
     if args.reward_weights is not None and len(args.reward_weights) != num_sources:
-        fail(f"--reward_weights {args.reward_weights} does not give one weight per reward source ({num_sources}: the "
-             "reward models, then the reward functions)")
-    if args.reward_weights is not None and not all(math.isfinite(w) for w in args.reward_weights):
+        fail(f"--reward_weights {args.reward_weights} does not give one weight per reward source "
+             f"({num_sources}: the reward models, then the reward functions)")
+    if args.reward_weights is not None and not all(map(math.isfinite, args.reward_weights)):
         fail(f"--reward_weights {args.reward_weights}: every weight must be a finite number")
     sizes = derive_sizes(args, int(os.environ.get("WORLD_SIZE", 1)))
     rollout_batch = (f"rollout batch {sizes.local_batch_size} (--per_device_train_batch_size x "
                      "--gradient_accumulation_steps)")
     for what, size, flag in ((rollout_batch, sizes.local_batch_size, "num_mini_batches"),
                              (rollout_batch, sizes.local_batch_size, "num_generations"),
-                             (f"minibatch {sizes.local_mini_batch_size}", sizes.local_mini_batch_size,
-                              "gradient_accumulation_steps")):
+                             (f"minibatch {sizes.local_mini_batch_size}",
+                              sizes.local_mini_batch_size, "gradient_accumulation_steps")):
         if size % getattr(args, flag):
             fail(f"{what} is not divisible by --{flag} {getattr(args, flag)}")
-    if args.num_generations == 1 and args.advantage_estimator in ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline"):
-        fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one prompt: give "
-             "--num_generations >= 2")
+    grouped = args.advantage_estimator in ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline")
+    if grouped and args.num_generations == 1:  # a group of one: nothing to compare
+        fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one "
+             "prompt: give --num_generations >= 2")
     if args.value_model_path and not has_value_model(args.advantage_estimator):
-        fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has no value model")
+        fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has "
+             "no value model")
     if args.ref_model_path and args.kl_coef == 0:
         fail("--ref_model_path is unused: --kl_coef 0 has no KL term")
     if args.ref_model_path and args.lora_r:
-        fail("--ref_model_path is unused with --lora_r: the reference is the policy with its adapter off")
+        fail("--ref_model_path is unused with --lora_r: the reference is the policy, adapter off")
     if (args.merge_lora or args.lora_target_modules) and not args.lora_r:
         fail("--merge_lora and --lora_target_modules need --lora_r > 0")
     if args.overlong_buffer > args.response_length:
-        fail(f"--overlong_buffer {args.overlong_buffer} is longer than --response_length {args.response_length}")
+        fail(f"--overlong_buffer {args.overlong_buffer} is longer than --response_length "
+             f"{args.response_length}")
     if bool(args.replay_rounds) != (args.replay_correction is not None):
-        fail("--replay_rounds N > 0 and --replay_correction naive|decoupled go together (how replayed tokens are "
-             "corrected)")
+        fail("--replay_rounds N > 0 and --replay_correction naive|decoupled go together")
     if args.replay_weight_cap is not None and args.replay_correction != "decoupled":
-        fail("--replay_weight_cap caps the weights of --replay_correction decoupled, which is not set")
+        fail("--replay_weight_cap needs --replay_correction decoupled (it caps its weights)")
     if args.adaptive_kl_target is not None and args.kl_coef == 0:
         fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
     if args.total_episodes < sizes.batch_size:
-        fail(f"--total_episodes {args.total_episodes} is less than one rollout batch ({sizes.batch_size} over all "
-             "ranks)")
+        fail(f"--total_episodes {args.total_episodes} is less than one rollout batch "
+             f"({sizes.batch_size} over all ranks)")
     if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
-        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use --dtype bf16")
+        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards "
+             "only; use --dtype bf16")
     if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
-        fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in reward scores only "
-             "the built-in task's sums)")
+        fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in "
+             "reward scores only the built-in task's sums)")
     return sizes
 
 
 def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
-    """Every check that needs files but no weights: output folder, configs, tokenizer and stop ids,
-    prompts, rewards. -> tokenizer, prompts, eval_prompts, reward_tokenizers, reward_fns,
-    stop_token_ids, stored_dtypes."""
+    """Every check that needs files but no weights (output, configs, prompts, rewards) -> tokenizer,
+    prompts, eval_prompts, reward_tokenizers, reward_fns, stop_token_ids, stored_dtypes."""
     check_output(args, output_dir)
     configs, reward_configs, stored_dtypes = check_configs(args, model_path)
     base = adapter_base(model_path)
-    has_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
-    tokenizer_path = base if base and not has_tokenizer else model_path  # an adapter's base's
+    own_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
+    tokenizer_path = model_path if own_tokenizer else base or model_path  # else an adapter's base's
     tokenizer = from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args)
     policy_config = configs["model_name_or_path"]
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base or model_path, policy_config)
+    check_context(f"--model_name_or_path {model_path!r}", policy_config, (args.max_prompt_length or 1)
+                  + args.response_length, f"--max_prompt_length {args.max_prompt_length or 1} + --response_length "
+                  f"{args.response_length}", "lower --max_prompt_length or --response_length")
     context = getattr(policy_config, "max_position_embeddings", None)
-    if context and args.response_length >= context:
-        fail(f"--response_length {args.response_length} leaves no room for a prompt in the policy's context of "
-             f"{context}")
-    if context and (args.max_prompt_length or 0) + args.response_length > context:
-        fail(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} exceed the "
-             f"policy's context of {context}")
-    if (args.eval_dataset == args.dataset and not args.dataset.endswith((".txt", ".jsonl"))  # a hub dataset
-            and args.dataset_test_split == args.dataset_train_split):
-        fail(f"--eval_dataset {args.eval_dataset!r} is --dataset with the same split ({args.dataset_train_split!r}): "
-             "it would evaluate on training prompts; give another --dataset_test_split")
+    if (args.eval_dataset == args.dataset and not args.dataset.endswith((".txt", ".jsonl"))
+            and args.dataset_test_split == args.dataset_train_split):  # a hub dataset
+        fail(f"--eval_dataset {args.eval_dataset!r} is --dataset with the same split "
+             f"({args.dataset_train_split!r}): it would evaluate on training prompts; give another "
+             "--dataset_test_split")
     prompts = load_prompts(dataset, args, tokenizer, context)
     eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
-    vocab_size = getattr(policy_config.get_text_config(), "vocab_size", None)  # no embedding is added for a pad
-    if vocab_size and max(max(i) for p in (prompts, eval_prompts) if p for i in p.ids) >= vocab_size:
-        fail(f"--model_name_or_path {model_path!r}: its tokenizer gives prompt ids past the model's vocabulary of "
-             f"{vocab_size}; give the tokenizer that matches the model")
-    files = eval_prompts and os.path.isfile(dataset) and os.path.isfile(eval_dataset)  # not a hub dataset
-    same_file = files and os.path.samefile(dataset, eval_dataset)
-    if same_file and int(os.environ.get("RANK", 0)) == 0:
-        say(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on training prompts",
-            file=sys.stderr)
-    reward_tokenizers, reward_fns = check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts,
+    prompt_sets = {"dataset": prompts, **({"eval_dataset": eval_prompts} if eval_prompts else {})}
+    vocab_size = getattr(policy_config.get_text_config(), "vocab_size", None)  # not grown for a pad
+    if vocab_size and max(max(i) for p in prompt_sets.values() for i in p.ids) >= vocab_size:
+        fail(f"--model_name_or_path {model_path!r}: its tokenizer gives prompt ids past the "
+             f"model's vocabulary of {vocab_size}; give the tokenizer that matches the model")
+    if (eval_prompts and os.path.isfile(dataset) and os.path.isfile(eval_dataset)  # local files
+            and os.path.samefile(dataset, eval_dataset) and int(os.environ.get("RANK", 0)) == 0):
+        say(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on "
+            "training prompts", file=sys.stderr)
+    reward_tokenizers, reward_fns = check_rewards(args, tokenizer, reward_configs, prompt_sets,
                                                   stop_token_ids)
-    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts, reward_fns=reward_fns,
-                           reward_tokenizers=reward_tokenizers, stop_token_ids=stop_token_ids,
-                           stored_dtypes=stored_dtypes)
+    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts,
+                           reward_fns=reward_fns, reward_tokenizers=reward_tokenizers,
+                           stop_token_ids=stop_token_ids, stored_dtypes=stored_dtypes)
 
 
 def check_output(args, output_dir):
@@ -931,10 +919,11 @@ def check_output(args, output_dir):
     if not os.access(parent, os.W_OK):
         fail(f"--output_dir {output_dir!r} cannot be written ({parent!r} is not writable)")
     if os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and not args.resume:
-        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto (it continues the "
-             "run, or with no checkpoint sets its metrics.jsonl aside and starts over) or choose another --output_dir")
+        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto "
+             "(it continues the run, or with no checkpoint sets its metrics.jsonl aside and starts "
+             "over) or choose another --output_dir")
     if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
-        fail(f"--resume {args.resume!r} is not a checkpoint folder (no state.pt); give one, or `auto`")
+        fail(f"--resume {args.resume!r} is not a checkpoint (no state.pt); give one, or `auto`")
     if args.track:
         try:
             import wandb  # noqa: F401
@@ -947,34 +936,32 @@ def check_output(args, output_dir):
 def check_configs(args, model_path):
     """The models' configs (a reward model: a sequence classifier, 1 label) -> {flag: config},
     {reward model path: config}, {path: its storage dtype}."""
-    configs, sources = {}, {}  # {flag: config}, {path: config} of every model
-    for flag, path in (("model_name_or_path", model_path), ("ref_model_path", args.ref_model_path),
-                       ("value_model_path", args.value_model_path)):
-        base = path and adapter_base(path, flag)
-        if base:  # an adapter checkpoint: peft, and its base's config
-            import_peft(f"--{flag} {path!r} (an adapter)")
+    configs, reward_configs, stored_dtypes = {}, {}, {}  # stored_dtypes: for --save_dtype auto
+    for flag, path in {"model_name_or_path": model_path, "ref_model_path": args.ref_model_path,
+                       "value_model_path": args.value_model_path}.items():
         if path:
-            configs[flag] = sources[base or path] = from_pretrained(AutoConfig, base or path, flag, args)
-    reward_configs = {}
+            base = adapter_base(path, flag)
+            if base:  # an adapter checkpoint: peft, and its base's config
+                import_peft(f"--{flag} {path!r} (an adapter)")
+            configs[flag] = from_pretrained(AutoConfig, base or path, flag, args)
+            stored_dtypes[base or path] = stored_dtype(base or path, configs[flag])
     for path in args.reward_model_path or []:
-        reward_config = reward_configs[path] = from_pretrained(AutoConfig, path, "reward_model_path", args)
-        kind = (reward_config.architectures or [type(reward_config).__name__])[0]
-        if reward_config.architectures and not kind.endswith("ForSequenceClassification"):
-            fail(f"--reward_model_path {path!r} is a {kind} checkpoint, which has no reward head; give a sequence "
-                 "classifier (*ForSequenceClassification) with one label")
-        if reward_config.num_labels != 1:
-            fail(f"--reward_model_path {path!r} is a {kind} with {reward_config.num_labels} labels; a reward model "
-                 "has 1")
-    sources.update(reward_configs)
-    stored_dtypes = {path: stored_dtype(path, config) for path, config in sources.items()}  # for auto saves
+        config = reward_configs[path] = from_pretrained(AutoConfig, path, "reward_model_path", args)
+        kind = (config.architectures or [type(config).__name__])[0]
+        if config.architectures and not kind.endswith("ForSequenceClassification"):
+            fail(f"--reward_model_path {path!r} is a {kind} checkpoint, which has no reward head; "
+                 "give a sequence classifier (*ForSequenceClassification) with one label")
+        if config.num_labels != 1:
+            fail(f"--reward_model_path {path!r} is a {kind} with {config.num_labels} labels, not 1")
+        stored_dtypes[path] = stored_dtype(path, config)
     bf16_stored = [path for path, dtype in stored_dtypes.items() if dtype == torch.bfloat16]
     if args.dtype == "fp16" and bf16_stored and int(os.environ.get("RANK", 0)) == 0:
-        say(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype fp16 can overflow "
-            "where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
+        say(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype "
+            "fp16 can overflow where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
     return configs, reward_configs, stored_dtypes
 
 
-def check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts, stop_token_ids):
+def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
     """-> each reward model's own tokenizer (None: it reads the policy's ids), its context checked;
     the reward functions [(function, its flag value, how it is called)]."""
     reward_tokenizers = []
@@ -985,14 +972,15 @@ def check_rewards(args, tokenizer, reward_configs, prompts, eval_prompts, stop_t
         elif reward_tokenizer.pad_token is None:
             reward_tokenizer.pad_token = reward_tokenizer.eos_token
         reward_tokenizers.append(reward_tokenizer)
-        for p in [prompts] + ([eval_prompts] if eval_prompts else []):
-            check_reward_context(path, reward_configs[path], reward_tokenizer, p, args)
+        for prompts in prompt_sets.values():
+            check_reward_context(path, reward_configs[path], reward_tokenizer, prompts, args)
     reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
     if not reward_fns and not args.reward_model_path:  # the built-in prompts
         reward_fns = [(addition_reward, "addition_reward")]
         if ADDITION_WORDS.index("<eos>") not in stop_token_ids:
-            fail("the built-in task's answers end at its EOS, which is not a stop id here: keep --stop_token eos")
-    fields = {"dataset": list(prompts.fields), **({"eval_dataset": list(eval_prompts.fields)} if eval_prompts else {})}
+            fail("the built-in task's answers end at its EOS, which is not a stop id here: keep "
+                 "--stop_token eos")
+    fields = {flag: list(prompts.fields) for flag, prompts in prompt_sets.items()}
     return reward_tokenizers, [(fn, spec, reward_call(fn, spec, fields)) for fn, spec in reward_fns]
 
 
@@ -1000,11 +988,12 @@ def stored_dtype(path, config):
     """The dtype a checkpoint is stored in: its config's (read before loading: loading rewrites it),
     else its first tensor's. None if unknown."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if dtype is None and os.path.isdir(os.path.expanduser(path)):
-        files = sorted(f for f in os.listdir(os.path.expanduser(path)) if f.endswith(".safetensors"))
+    folder = os.path.expanduser(path)
+    if dtype is None and os.path.isdir(folder):
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
         if files:
             from safetensors import safe_open
-            with safe_open(os.path.join(os.path.expanduser(path), files[0]), "pt") as f:
+            with safe_open(os.path.join(folder, files[0]), "pt") as f:
                 keys = list(f.keys())
                 dtype = keys and {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(
                     f.get_slice(keys[0]).get_dtype())
@@ -1016,43 +1005,46 @@ def stored_dtype(path, config):
 def resolve_stop_token_ids(args, tokenizer, path, config):
     """The ids that end a response: --stop_token_id; with --stop_token eos, the tokenizer's EOS and
     each eos_token_id of the policy's generation config (only that key is read); else none."""
-    if args.stop_token_id is not None:
-        ids = list(args.stop_token_id)
-    elif args.stop_token == "eos":
+    ids = list(args.stop_token_id or [])
+    if args.stop_token_id is None and args.stop_token == "eos":
         try:
-            generation_config = GenerationConfig.from_pretrained(path)
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
         except OSError:  # no generation_config.json
-            generation_config = GenerationConfig.from_model_config(config)
-        eos = generation_config.eos_token_id
+            eos = GenerationConfig.from_model_config(config).eos_token_id
         ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])]
-    else:
-        ids = []
     ids = list(dict.fromkeys(i for i in ids if i is not None))  # once each
-    vocab_size = getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)  # the logits' width
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)
     outside = [i for i in ids if not 0 <= i < vocab_size]
     if outside:
         fail(f"--stop_token_id {outside}: not in the policy's vocabulary [0, {vocab_size})")
     if not ids and (args.mask_truncated_completions or args.missing_eos_penalty is not None):
-        flag = "--mask_truncated_completions" if args.mask_truncated_completions else "--missing_eos_penalty"
-        fail(f"{flag} needs a stop id, and there is none (--stop_token None): every response would count as cut off")
+        flag = ("--mask_truncated_completions" if args.mask_truncated_completions
+                else "--missing_eos_penalty")
+        fail(f"{flag} needs a stop id, and there is none (--stop_token None): every response would "
+             "count as cut off")
     return ids
 
 
-def check_reward_context(path, config, reward_tokenizer, prompts, args):
-    """Prompt + --response_length must fit a reward model's context (max_position_embeddings): its
-    longest prompt in the policy's tokens, or rendered by the reward model's own tokenizer."""
+def check_context(model, config, tokens, what, fix):
+    """The one length check: `tokens` of prompt + response must fit a model's context
+    (max_position_embeddings; none: any length fits)."""
     context = getattr(config, "max_position_embeddings", None)
-    if not context:
-        return
+    if context and tokens > context:
+        fail(f"{model}: {what} is {tokens} tokens, more than its context of {context}; {fix}")
+
+
+def check_reward_context(path, config, reward_tokenizer, prompts, args):
+    """A reward model's context: its longest prompt (in the policy's tokens, or rendered by its own
+    tokenizer) + --response_length."""
     if reward_tokenizer is None:
         longest = max(len(ids) for ids in prompts.ids)
     else:
         longest = max(len(reward_tokenizer(reward_text(reward_tokenizer, prompts, r, ""),
                                            add_special_tokens=prompts.messages[r] is None)["input_ids"])
                       for r in range(len(prompts.texts)))
-    if longest + args.response_length > context:
-        fail(f"--reward_model_path {path!r}: a prompt of {longest} tokens and --response_length {args.response_length} "
-             f"exceed its context of {context}; shorten the prompts (--max_prompt_length) or --response_length")
+    check_context(f"--reward_model_path {path!r}", config, longest + args.response_length,
+                  f"a prompt of {longest} + --response_length {args.response_length}",
+                  "shorten the prompts (--max_prompt_length) or --response_length")
 
 
 # -------------------------------------------------------------------------- the held-out evaluation
@@ -1200,7 +1192,7 @@ def replay_metrics(train, args, rt):
 # ------------------------------------------------------------------------- models, data and rewards
 def from_pretrained(cls, path, flag, args, **kwargs):
     """cls.from_pretrained(path), or one line naming the flag when that fails."""
-    if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(path)):
+    if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
         fail(f"--{flag} {path!r}: no such folder (give a model folder, or a hub name like org/model)")
     try:
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
@@ -1239,7 +1231,7 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    model.new_head = new_head and any(k.startswith("score.") for k in info["missing_keys"])
+    model.new_head = len(missing) < len(info["missing_keys"])  # a score head was left out
     return model
 
 
@@ -1258,25 +1250,16 @@ def adapter_base(path, flag="model_name_or_path"):
         with open(config) as f:
             return json.load(f)["base_model_name_or_path"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        fail(f"--{flag} {path!r}: its adapter_config.json cannot be read ({type(e).__name__}: {e}); give a model or a "
-             "peft adapter folder")
-
-
-def padding_id(tokenizer):
-    """The id written into padded positions: the pad token's, else EOS's (else 0). Any id will do:
-    every mask comes from lengths and attention masks, never from ids. Tokenizer and configs are saved
-    as they came: a saved pad = EOS would make EOS padding (padding_idx, label masking) for their user."""
-    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+        fail(f"--{flag} {path!r}: its adapter_config.json cannot be read ({type(e).__name__}: "
+             f"{e}); give a model or a peft adapter folder")
 
 
 def load_models(args, model_path, inputs, rt):
     """Every model, on rt.device, and the trained ones wrapped for training (wrap_for_training). Trained
     weights (with LoRA: adapters, value head) fp32 whatever the storage; frozen ones in --dtype's."""
-    tokenizer, frozen_dtype = inputs.tokenizer, rt.low_dtype or torch.float32
-    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args,
-                             frozen_dtype if args.lora_r else torch.float32)
-    base_paths = {"policy": stable_path(args, model_path, model_path)}
-    source_dtypes = {"policy": inputs.stored_dtypes[adapter_base(model_path) or model_path]}
+    frozen_dtype = rt.low_dtype or torch.float32
+    dtype = frozen_dtype if args.lora_r else torch.float32  # of trained models (LoRA: frozen)
+    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args, dtype)
     if args.lora_r:
         policy = add_lora(policy, args)
     ref_policy = None  # --kl_coef 0: no KL, no reference model
@@ -1291,23 +1274,24 @@ def load_models(args, model_path, inputs, rt):
         reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args,
                                        frozen_dtype)
         reward_models.append((reward_model.requires_grad_(False).eval().to(rt.device, frozen_dtype), reward_tokenizer))
-    value_model, value_source, value_path = load_value_model(args, model_path, tokenizer, bool(reward_models) and
-                                                             reward_models[0][1] is None, base_paths, rt)
-    if value_model is not None:
-        source_dtypes["value_model"] = inputs.stored_dtypes[adapter_base(value_path) or value_path]
+    value_model, value_source, value_path = load_value_model(args, model_path, inputs, dtype, rt)
+    paths = {"policy": model_path, "value_model": value_path}
+    base_paths = {k: stable_path(args, p, model_path) for k, p in paths.items() if p}
+    source_dtypes = {k: inputs.stored_dtypes[adapter_base(p) or p] for k, p in paths.items() if p}
     num_sources = len(reward_models) + len(inputs.reward_fns)
-    builtin_reward = [spec for _, spec, _ in inputs.reward_fns] == ["addition_reward"]
     policy.to(rt.device)
     # log-probs straight from the hidden states where the model allows it; a sharded model's output
     # layer is only whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
     policy_head = None if rt.fsdp else output_layer(policy)
-    ref_head = None  # also for a sharded one
-    if ref_policy is policy:  # LoRA: the reference is the policy
-        ref_head = policy_head
-    elif ref_policy is not None and not (rt.fsdp and args.shard_frozen_models):
+    ref_head = policy_head if ref_policy is policy else None  # LoRA: the reference is the policy
+    if ref_policy not in (None, policy) and not (rt.fsdp and args.shard_frozen_models):
         ref_head = output_layer(ref_policy)
+    tokenizer = inputs.tokenizer
+    pad_token_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
+                        if i is not None)  # any id will do: masks come from lengths
+    builtin_reward = [spec for _, spec, _ in inputs.reward_fns] == ["addition_reward"]
     reference = policy.disable_adapter if args.lora_r else nullcontext  # around forwards of ref_policy
-    models = SimpleNamespace(tokenizer=tokenizer, pad_token_id=padding_id(tokenizer), reference=reference,
+    models = SimpleNamespace(tokenizer=tokenizer, pad_token_id=pad_token_id, reference=reference,
                              stop_token_ids=inputs.stop_token_ids, policy=policy,
                              ref_policy=ref_policy, value_model=value_model, value_source=value_source,
                              reward_models=reward_models, reward_fns=inputs.reward_fns, builtin_reward=builtin_reward,
@@ -1318,19 +1302,18 @@ def load_models(args, model_path, inputs, rt):
     return models, wrap_for_training(models, args, rt)
 
 
-def load_value_model(args, model_path, tokenizer, reward_model_shares_vocabulary, base_paths, rt):
+def load_value_model(args, model_path, inputs, dtype, rt):
     """The value model (trained, fp32), where it came from, its path; none without GAE. It starts
     from the (first) reward model if that shares the policy's vocabulary, else from the policy."""
     if not has_value_model(args.advantage_estimator):
         return None, f"no value model (--advantage_estimator {args.advantage_estimator})", None
-    value_path = args.value_model_path or (args.reward_model_path[0] if reward_model_shares_vocabulary else model_path)
+    shared = inputs.reward_tokenizers[:1] == [None]  # reward model 1 reads the policy's ids
+    value_path = args.value_model_path or (args.reward_model_path[0] if shared else model_path)
     value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args,
-                                  (rt.low_dtype or torch.float32) if args.lora_r else torch.float32, new_head=True,
-                                  num_labels=1)
+                                  dtype, new_head=True, num_labels=1)
     if not hasattr(value_model, "score"):
         fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
              "(a *ForSequenceClassification of a causal LM)")
-    base_paths["value_model"] = stable_path(args, value_path, model_path)
     if args.lora_r:  # its own adapter, and the whole score head
         value_model = add_lora(value_model, args, modules_to_save=["score"])
     source = "value model from " + (f"--value_model_path {value_path}" if args.value_model_path else
@@ -1347,8 +1330,8 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     where = lambda i: f"row {i + 1}" + (f" (line {lines[i]})" if lines else "")  # noqa: E731 (from 1, as files)
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
-    if min(len(i) for i in ids) == 0:
-        fail(f"--{flag} {dataset!r}: {where([len(i) for i in ids].index(0))} is empty after tokenization")
+    if [] in ids:
+        fail(f"--{flag} {dataset!r}: {where(ids.index([]))} is empty after tokenization")
     limit = args.max_prompt_length or (context and context - args.response_length)  # None: no limit
     over = [i for i in range(len(ids)) if limit and len(ids[i]) > limit]
     if over and args.overlong_prompts == "error":
@@ -1365,15 +1348,12 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     if not kept:
         fail(f"--{flag} {dataset!r}: all {len(ids)} prompts are longer than --max_prompt_length {limit}, and "
              f"--overlong_prompts {args.overlong_prompts} leaves none")
-    rows = [rows[i] for i in kept]
-    names = dict.fromkeys(k for row in rows for k in row if k not in NOT_PASSED_FIELDS)  # once each
-    return SimpleNamespace(texts=[texts[i] for i in kept], ids=[ids[i] for i in kept],
-                           messages=[messages[i] for i in kept],
+    texts, ids, messages, rows = ([x[i] for i in kept] for x in (texts, ids, messages, rows))
+    not_passed = ("prompt", "completion", "completion_ids", "messages")  # TRL passes on the rest
+    names = dict.fromkeys(k for row in rows for k in row if k not in not_passed)  # once each
+    return SimpleNamespace(texts=texts, ids=ids, messages=messages,
                            fields={name: [row.get(name) for row in rows] for name in names},
                            filtered=len(dropped), truncated=len(truncated))
-
-
-NOT_PASSED_FIELDS = ("prompt", "completion", "completion_ids", "messages")  # TRL passes the rest on
 
 
 def read_prompts(dataset, split, flag="dataset"):
@@ -1382,20 +1362,18 @@ def read_prompts(dataset, split, flag="dataset"):
     if dataset.endswith((".txt", ".jsonl")):
         try:
             with open(dataset, encoding="utf-8") as f:
-                lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip()]  # blank: skipped
+                lines = {n: line.rstrip("\n") for n, line in enumerate(f, 1) if line.strip()}
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--{flag} {dataset!r} cannot be read: {e}")
-        if dataset.endswith(".txt"):
-            return [{"prompt": line} for _, line in lines], [n for n, _ in lines]
         rows = []
-        for n, line in lines:
+        for n, line in lines.items():
             try:
-                rows.append(json.loads(line))
+                rows.append({"prompt": line} if dataset.endswith(".txt") else json.loads(line))
                 if not isinstance(rows[-1].get("prompt", rows[-1].get("messages")), (str, list)):
                     raise ValueError
             except (ValueError, AttributeError):
                 fail(f"--{flag} {dataset!r} line {n}: expected a JSON object with a `prompt` or `messages` field")
-        return rows, [n for n, _ in lines]
+        return rows, list(lines)
     if os.path.exists(dataset):
         fail(f"--{flag} {dataset!r}: use a .txt or .jsonl file")
     try:
@@ -1406,7 +1384,7 @@ def read_prompts(dataset, split, flag="dataset"):
         data = datasets.load_dataset(dataset, split=split)
     except Exception as e:  # datasets raises many kinds; all mean this flag is wrong
         fail(f"--{flag} {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
-    if "prompt" not in data.column_names and "messages" not in data.column_names:
+    if not {"prompt", "messages"} & set(data.column_names):
         fail(f"--{flag} {dataset!r} has no `prompt` or `messages` column")
     return list(data), None
 
@@ -1420,14 +1398,15 @@ def render_prompts(rows, tokenizer, flag="dataset"):
              "chat template")
     texts = [r if m is None else tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
              for r, m in zip(rows, messages)]
-    return texts, [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)], messages
+    ids = [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)]
+    return texts, ids, messages
 
 
 def load_reward_fn(spec):
     """`module:function` (a module from the current folder first, as `python -m` would find it, then
     the script's and the installed ones) or `file.py:function` (a path) -> the function."""
     module, _, name = spec.rpartition(":")
-    if not module or not name:
+    if not (module and name):
         fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
     sys.path.insert(0, os.getcwd())  # sys.path[0] is the script's folder, not the current one
     try:
@@ -1442,42 +1421,38 @@ def load_reward_fn(spec):
 
 
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")  # TRL's keywords
-
-
-TRL_ONLY_ARGUMENTS = ("log_extra", "log_metric", "environments")  # this script does not
-
-
 POSITIONAL = "positional"  # (prompts, completions), as reward functions were called before keywords
 
 
 def reward_call(fn, spec, fields):
-    """How to call a reward function, from its signature: None (**kwargs: everything by keyword),
-    the names it asks for, or POSITIONAL ((prompts, completions), naming none). fields: {flag: the
-    field names of its rows}, checked to fill what it needs; anything else is one line."""
+    """How to call a reward function, from its signature: None (**kwargs), the names it asks for, or
+    POSITIONAL ((prompts, completions)). fields: {flag: its rows' field names}; else one line."""
     params = inspect.signature(fn).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = {p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    if named & set(TRL_ONLY_ARGUMENTS):
-        fail(f"--reward_fn {spec!r} asks for {sorted(named & set(TRL_ONLY_ARGUMENTS))}, which only TRL's trainers give")
+    required = {p.name: p.kind for p in params
+                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    trl_only = sorted(named & {"log_extra", "log_metric", "environments"})  # this script lacks them
+    if trl_only:
+        fail(f"--reward_fn {spec!r} asks for {trl_only}, which only TRL's trainers give")
     for flag, names in fields.items():
         clash = set(names) & {"prompts", "completions", "trainer_state"}
         if clash:
             fail(f"--{flag} has a field named {sorted(clash)[0]!r}, as a reward function's argument; rename it")
+    asked = named & set(REWARD_ARGUMENTS).union(*fields.values())
     if any(p.kind == p.VAR_KEYWORD for p in params):
         how = None
-    elif named & set(REWARD_ARGUMENTS).union(*fields.values()):
-        how = tuple(sorted(named & set(REWARD_ARGUMENTS).union(*fields.values())))
-    elif len(positional) == 2 and required == {p.name for p in positional}:
+    elif asked:
+        how = tuple(sorted(asked))
+    elif len(required) == 2 and inspect.Parameter.KEYWORD_ONLY not in required.values():
         return POSITIONAL
     else:
         fail(f"--reward_fn {spec!r} takes {inspect.signature(fn)}: give it (prompts, completions), or keywords "
              f"({', '.join(REWARD_ARGUMENTS)}, a field of the rows, **kwargs)")
     for flag, names in fields.items():
-        missing = sorted(required - set(REWARD_ARGUMENTS) - set(names))
+        missing = sorted(required.keys() - {*REWARD_ARGUMENTS, *names})
         if missing:
-            fail(f"--reward_fn {spec!r} needs {missing[0]!r}, which the rows of --{flag} do not have (their fields: "
-                 f"{sorted(names) or 'none'})")
+            fail(f"--reward_fn {spec!r} needs {missing[0]!r}, which the rows of --{flag} do not "
+                 f"have (their fields: {sorted(names) or 'none'})")
     return how
 
 
@@ -1491,7 +1466,7 @@ def text_scores(models, rm_scores, prompts, rows, completions, completion_ids, t
                                                       completions[i : i + chunk]) for i in range(0, len(rows), chunk)])
     # a vote, as for a non-finite loss: a reward function that fails on one rank stops them all
     fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, completion_ids, trainer_state)
-    return torch.cat([*[s[:, None] for s in rm_scores], fn_scores.to(rt.device)], 1)
+    return torch.column_stack([*rm_scores, fn_scores.to(rt.device)])
 
 
 def reward_function_scores(models, prompts, rows, completions, completion_ids, trainer_state):
@@ -1505,18 +1480,16 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
     columns = []
     for fn, spec, how in models.reward_fns:
         try:
-            if how == POSITIONAL:
-                out = fn([prompts.texts[r] for r in rows], completions)
-            else:
-                out = fn(**{k: v for k, v in given.items() if how is None or k in how})
+            out = (fn([prompts.texts[r] for r in rows], completions) if how == POSITIONAL
+                   else fn(**{k: v for k, v in given.items() if how is None or k in how}))
             if inspect.isawaitable(out):  # an async def function
                 out = asyncio.run(out)
         except Exception as e:  # noqa: BLE001 (the user's code: one line, with where it was raised)
             fail(f"--reward_fn {spec} raised {one_line(e)}")
         columns.append(check_scores(out, len(rows), f"--reward_fn {spec}"))
-    scores = torch.stack(columns, 1) if columns else torch.zeros(len(rows), 0)
-    unscored = scores.isnan().all(1).nonzero() if columns and not models.reward_models else []
-    if len(unscored):
+    scores = torch.column_stack([torch.zeros(len(rows), 0), *columns])  # (B, F), F = 0 too
+    unscored = scores.isnan().all(1).nonzero()  # all rows if no column
+    if len(unscored) and columns and not models.reward_models:
         fail(f"--reward_fn {', '.join(spec for _, spec, _ in models.reward_fns)}: no source scored completion "
              f"{unscored[0, 0].item()} (None from every function)")
     return scores
@@ -1536,7 +1509,7 @@ def check_scores(scores, n, source):
             fail(f"{source} returned a {type(s).__name__} ({s!r:.40}) for completion {i}: a score is a real number "
                  "or None")
     values = [math.nan if s is None else float(s) for s in scores]
-    bad = [i for i, (s, v) in enumerate(zip(scores, values)) if s is not None and not math.isfinite(v)]
+    bad = [i for i, v in enumerate(values) if scores[i] is not None and not math.isfinite(v)]
     if bad:
         fail(f"{source} returned a non-finite score ({values[bad[0]]}) for completion {bad[0]}")
     return torch.tensor(values, dtype=torch.float32)
@@ -1554,49 +1527,45 @@ def reward_text(reward_tokenizer, prompts, r, completion):
 def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
     """Scores (B,) of a reward model with its own tokenizer, on the text (reward_text): a decoder's
     `score` head at the last real token; an encoder pools by itself."""
-    device = next(reward_model.parameters()).device
     enc = reward_tokenizer([reward_text(reward_tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
                            padding=True, return_tensors="pt", add_special_tokens=prompts.messages[rows[0]] is None)
-    context = getattr(reward_model.config, "max_position_embeddings", None)
-    if context and enc["input_ids"].shape[1] > context:
-        fail(f"--reward_model_path {reward_model.name_or_path!r}: prompt + response is {enc['input_ids'].shape[1]} of "
-             f"its tokens, more than its context of {context}; lower --response_length")
-    enc = enc.to(device)
+    check_context(f"--reward_model_path {reward_model.name_or_path!r}", reward_model.config,
+                  enc["input_ids"].shape[1], "prompt + response in its tokens", "lower --response_length")
+    enc = enc.to(reward_model.device)
     mask = enc["attention_mask"].bool()
     if not hasattr(reward_model, "score"):
         return reward_model(**enc).logits[:, 0].float()
-    last = (mask * torch.arange(mask.shape[1], device=device)).argmax(1, keepdim=True)
+    last = mask.cumsum(1).argmax(1, keepdim=True)  # the last real token: where the count peaks
     return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
 
 
 ADDITION_WORDS = ["<pad>", "<eos>", "<unk>", "+", "="] + [str(i) for i in range(19)]  # its vocabulary
-
-
 ADDITION_PARTIAL_CREDIT = 0.5
 
 
 def addition_reward(completion_ids, answer, **kwargs):
-    """The built-in task's reward from the token ids and each row's `answer`: 1 for the sum then
-    EOS, partial credit for the sum then anything else (<pad>, <unk> too), 0 otherwise. A random
-    policy finds the right number 1 time in 24, stops after it once in ~600."""
-    eos, scores = ADDITION_WORDS.index("<eos>"), []
-    for ids, expected in zip(completion_ids, answer):
-        right = ids[:1] == [ADDITION_WORDS.index(expected)]
-        scores.append(1.0 if right and ids[1:] == [eos] else ADDITION_PARTIAL_CREDIT if right else 0.0)
-    return scores
+    """The built-in reward from token ids and each row's `answer`: 1 for the sum then EOS, partial
+    credit for the sum then anything else, else 0 (random: the sum 1 in 24, then EOS 1 in ~600)."""
+    eos = ADDITION_WORDS.index("<eos>")
+    return [0.0 if ids[:1] != [ADDITION_WORDS.index(a)] else 1.0 if ids[1:] == [eos]
+            else ADDITION_PARTIAL_CREDIT for ids, a in zip(completion_ids, answer)]
 
 
 def builtin_task(args):
-    """-> paths of the policy, prompts and eval prompts (or None). `builtin` ones are written into a
-    temp folder per process (deleted at exit; a killed run's at the next start) before the process
-    group exists."""
+    """-> paths of the policy, prompts, eval prompts (or None); `builtin` ones go in a temp folder
+    per process (deleted at exit; a killed run's at the next start) before the process group."""
     model_path, dataset = args.model_name_or_path, args.dataset
     eval_dataset = None if args.eval_dataset == "auto" else args.eval_dataset
     if "builtin" in (model_path, dataset):
         for old in os.listdir(tempfile.gettempdir()):  # those of ended processes
-            pid = old.split("_")[3] if old.startswith("ppo_rlhf_builtin_") and old.count("_") >= 4 else ""
-            if pid.isdigit() and not process_alive(int(pid)):
+            pid = re.match(r"ppo_rlhf_builtin_(\d+)_", old)
+            try:
+                if pid:
+                    os.kill(int(pid[1]), 0)  # no signal: only asks whether it exists
+            except ProcessLookupError:
                 shutil.rmtree(os.path.join(tempfile.gettempdir(), old), ignore_errors=True)
+            except PermissionError:  # another user's
+                pass
         folder = tempfile.mkdtemp(prefix=f"ppo_rlhf_builtin_{os.getpid()}_")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         held_out = dataset == "builtin" and args.eval_dataset == "auto"
@@ -1605,16 +1574,6 @@ def builtin_task(args):
         if dataset == "builtin":
             dataset, eval_dataset = builtin_prompts, builtin_eval or eval_dataset
     return model_path, dataset, eval_dataset
-
-
-def process_alive(pid):
-    try:
-        os.kill(pid, 0)  # no signal: only asks whether it exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def build_addition_task(folder, seed, held_out=True):

@@ -413,9 +413,7 @@ def test_response_logprobs_through_the_output_layer_equal_the_models_logits(tiny
     assert all(torch.allclose(p.grad, g, atol=1e-5) for p, g in zip(policy.parameters(), full_grads))
 
 
-def test_first_true_index_and_response_lengths():
-    bools = torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
-    assert P.first_true_index(bools).tolist() == [1, 4, 0]
+def test_response_lengths():
     responses = torch.tensor([[5, 1, 7, 1], [5, 6, 7, 8], [1, 0, 0, 0]])
     assert P.response_lengths(responses, [1]).tolist() == [2, 4, 1]
     assert P.response_lengths(responses, [7, 1]).tolist() == [2, 3, 1]  # the first of several stop ids
@@ -2094,17 +2092,18 @@ MUST_SAY = {"a tokenizer past the model's vocabulary": "gives prompt ids past th
             "no stop id, truncated completions masked": "needs a stop id",
             "a stop id outside the vocabulary": "[999]: not in the policy's vocabulary [0, 40)",
             "a corrupt adapter config": "adapter_config.json cannot be read",
-            "a reward model with a shorter context": "exceed its context of 8",
-            "a reward model with its own tokenizer and a shorter context": "exceed its context of 8",
+            "a reward model with a shorter context": "more than its context of 8",
+            "a reward model with its own tokenizer and a shorter context": "more than its context of 8",
             "a reward function of one parameter": "takes (x): give it (prompts, completions), or keywords",
             "a reward function needing a field the rows lack": "needs 'answer', which the rows of --dataset do not",
             "a reward function asking for TRL's log_metric": "asks for ['log_metric']",
             "a field named like a reward function's argument": "field named 'prompts'",
             "bad jsonl after a blank line": "line 3: expected a JSON object",
             "a prompt too long": "longer than --max_prompt_length 2 (context 32 minus --response_length 30)",
-            "a response as long as the context": "--response_length 32 leaves no room for a prompt in the policy's "
-                                                 "context of 32",
-            "a prompt length and response past the context": "27 + --response_length 6 exceed the policy's context",
+            "a response as long as the context": "--max_prompt_length 1 + --response_length 32 is 33 tokens, more "
+                                                 "than its context of 32",
+            "a prompt length and response past the context": "27 + --response_length 6 is 33 tokens, more than its "
+                                                             "context of 32",
             "a hub eval dataset on the training split": "is --dataset with the same split ('train')"}
 
 
@@ -2431,7 +2430,7 @@ def test_truncate_left_keeps_the_last_ids_filters_chat_rows_and_reward_models_ch
     assert prompts.messages == [None, short["messages"]] and (prompts.filtered, prompts.truncated) == (1, 1)
     overrides, _ = file_case("a reward model with its own tokenizer and a shorter context", tiny, tmp_path)
     args = run_args(tiny, tmp_path, **overrides)
-    with pytest.raises(SystemExit, match="exceed its context of 8"):  # prompts of up to 6 words, 6 response tokens
+    with pytest.raises(SystemExit, match="more than its context of 8"):  # prompts of up to 6 words, 6 response tokens
         P.check_inputs(args, tiny["gpt2"], args.dataset, None, args.output_dir)
     args = dataclasses.replace(args, max_prompt_length=2, overlong_prompts="truncate_left")  # 2 + 6 fit its 8
     P.check_inputs(args, tiny["gpt2"], args.dataset, None, args.output_dir)
