@@ -1052,28 +1052,27 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
     """Held-out evaluation at --eval_temperature, with a random stream of its own. -> eval/ metrics
     over all ranks (eval/kl: exact, per response), and this rank's samples."""
     n = len(prompts.ids)
-    per_rank = -(-n // rt.world_size)  # equal slices (FSDP)
-    rows = [min(rt.rank * per_rank + i, n - 1) for i in range(per_rank)]
-    real = torch.tensor([rt.rank * per_rank + i < n for i in range(per_rank)], device=rt.device)
+    per_rank = -(-n // rt.world_size)  # equal slices (FSDP): the last prompt fills them up
+    slots = [rt.rank * per_rank + i for i in range(per_rank)]
+    rows, real = [min(i, n - 1) for i in slots], torch.tensor(slots, device=rt.device) < n
     # its own stream: a run trains the same with or without evaluation
     generator = torch.Generator(rt.device).manual_seed(hash((args.seed, update, rt.rank, 1)) % 2**63)
-    queries, query_mask = left_pad([prompts.ids[r] for r in rows], models.pad_token_id)
-    queries, query_mask = queries.to(rt.device), query_mask.to(rt.device)
-    batch = rollout(models, queries, query_mask, args, rt, args.eval_temperature, generator)
+    queries = left_pad([prompts.ids[r] for r in rows], models.pad_token_id)  # and their mask
+    batch = rollout(models, *(x.to(rt.device) for x in queries), args, rt, args.eval_temperature,
+                    generator)
     scored = score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=True)
-    metrics = {"eval/score": (scored["raw_scores"] * real).sum(),
-               "eval/response_length": (batch["lengths"] * real).sum()}
+    scores, num_rms = scored["raw_scores"], len(models.reward_models)
+    metrics = {"eval/score": scores, "eval/response_length": batch["lengths"]}  # (B,) each
     if models.ref_policy is not None:
-        metrics["eval/kl"] = (exact_kl(models, batch, args, rt) * real).sum()
+        metrics["eval/kl"] = exact_kl(models, batch, args, rt)
     if models.builtin_reward:
-        metrics["eval/success_rate"] = ((scored["raw_scores"] == 1) * real).sum()
-    num_rms = len(models.reward_models)
+        metrics["eval/success_rate"] = scores == 1
     if num_rms > 1:  # as objective/rm_spread
-        metrics["eval/rm_spread"] = (reward_model_spread(scored["source_scores"], num_rms) * real).sum()
-    totals = all_ranks_sum(torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in metrics.values()]))
-    samples = [dict(update=update + 1, prompt=prompts.texts[r], completion=c, score=s) for r, c, s, keep in
-               zip(rows, scored["completions"], scored["raw_scores"].tolist(), real.tolist()) if keep]
-    return {key: value / n for key, value in zip(metrics, totals.tolist())}, samples
+        metrics["eval/rm_spread"] = reward_model_spread(scored["source_scores"], num_rms)
+    totals = all_ranks_sum(torch.stack([(v * real).sum().double() for v in metrics.values()]))
+    samples = [dict(update=update + 1, prompt=prompts.texts[i], completion=c, score=s)
+               for i, c, s in zip(slots, scored["completions"], scores.tolist()) if i < n]
+    return dict(zip(metrics, (totals / n).tolist())), samples
 
 
 def exact_kl(models, batch, args, rt):
@@ -1104,9 +1103,8 @@ def exact_kl(models, batch, args, rt):
 
 # ------------------------------------------------------ replay: off-policy updates (--replay_rounds)
 # What a batch keeps, fixed when it was sampled: μ = its log π_old (logprobs), log π_ref, the rewards
-# (score and −β·KL, β of then) and the advantages (value-free estimators). Per rank about
-# N·B·(9·P + 27·R) bytes for N batches of B rows of P + R tokens (ids int64, masks bool, 4 float32
-# rows): no logits.
+# (score and −β·KL, β of then), the advantages (value-free estimators). Per rank N·B·(9·P + 27·R)
+# bytes for N batches of B rows of P + R tokens (ids int64, masks bool, 4 float32 rows): no logits.
 REPLAY_KEYS = ("query_responses", "attention_mask", "response_mask", "loss_mask", "lengths", "logprobs",
                "ref_logprobs", "rewards", "advantages")
 
@@ -1118,75 +1116,62 @@ def replay_batch(progress, batch, update, models, args, rt):
         return batch
     fresh = dict({k: batch[k] for k in REPLAY_KEYS}, update=update,
                  context_length=batch["context_length"])
-    old, progress["replay"] = progress["replay"], [*progress["replay"], fresh][-args.replay_rounds:]
-    age = lambda b: torch.full_like(b["lengths"], update - b["update"])  # noqa: E731 (in updates)
-    parts = [dict(fresh, values=batch["values"], prox=batch["logprobs"], age=age(fresh))]  # π_prox = μ
+    old = progress["replay"]
+    progress["replay"] = [*old, fresh][-args.replay_rounds:]
+    parts = [dict(fresh, prox=batch["logprobs"], values=batch["values"])]  # π_prox = μ
     for b in old:  # π_prox: the policy now, at the start of the update
         prox, values = prox_and_values(models, b, args, rt)
-        parts.append(dict(b, values=values, prox=prox, age=age(b)))
-    train = repad(parts, models.pad_token_id)
-    mask = train["response_mask"]
+        parts.append(dict(b, prox=prox, values=values))
+    P = max(b["context_length"] for b in parts)
+    R = max(b["response_mask"].shape[1] for b in parts)
+
+    def padded(b, k):  # one width: prompts padded left, responses right (positions: the mask)
+        left = P - b["context_length"] if k in ("query_responses", "attention_mask") else 0
+        value = models.pad_token_id if k == "query_responses" else 0
+        right = R - b["response_mask"].shape[1]
+        return F.pad(b[k], (left, right), value=value) if k != "lengths" else b[k]  # lengths (B,)
+    train = {k: torch.cat([padded(b, k) for b in parts]) for k in (*REPLAY_KEYS, "prox", "values")}
+    age = torch.cat([torch.full_like(b["lengths"], update - b["update"]) for b in parts])  # (ΣB,)
+    train.update(context_length=P, kl_coef=batch["kl_coef"], age=age)
+    mask, age, prox, mu = train["response_mask"], age[:, None], train["prox"], train["logprobs"]
     advantages, train["returns"] = advantages_and_returns(train["rewards"], train["values"], mask, args)
     if has_value_model(args.advantage_estimator):  # with today's V; value-free rows keep their batch's advantages
         train["advantages"] = advantages
-    batch["replay_metrics"] = replay_metrics(train, args, rt)
+    # how stale the rows are: the replayed share of tokens, mean age (fresh 0), k3 KL(μ‖π_prox) by
+    # age, π_prox/μ on replayed tokens (before the cap); each Σ x / Σ y over all ranks (0 / 0: NaN)
+    k3, weight, replayed = kl_estimate(mu, prox, "k3"), (prox - mu).exp(), mask & (age > 0)
+    by_age = [mask & (age == a) for a in range(1, args.replay_rounds + 1)]
+    ratios = {"replay/share": (replayed, mask), "replay/mean_age": (age * mask, mask),
+              **{f"replay/kl_age{a}": (k3 * m, m) for a, m in enumerate(by_age, 1)},
+              "replay/weight_mean": (weight * replayed, replayed)}
+    sums = all_ranks_sum(torch.stack([x.sum().double() for pair in ratios.values() for x in pair]))
+    weight_max = max(all_ranks_objects(torch.where(replayed, weight, -math.inf).max().item()))
+    batch["replay_metrics"] = {**dict(zip(ratios, (sums[::2] / sums[1::2]).tolist())),
+                               "replay/weight_max": weight_max}
     if args.replay_correction == "decoupled":  # clip around π_prox, token weight min(π_prox/μ, c)
-        train["weights"] = decoupled_weights(train["prox"], train["logprobs"], args.replay_weight_cap or 2.0)
-        train["logprobs"] = train["prox"]  # the ratio's denominator
-    return dict(train, kl_coef=batch["kl_coef"])
+        train["weights"] = decoupled_weights(prox, mu, args.replay_weight_cap or 2.0)
+        train["logprobs"] = prox  # the ratio's denominator
+    return train
 
 
 def decoupled_weights(prox_logprobs, behaviour_logprobs, cap):
-    """Decoupled PPO's token weight min(π_prox/μ, c): from the policy μ that sampled a replayed
-    token to π_prox, the policy at the update's start, around which the clip is (Hilton et al.
-    2021; the cap as AReaL, Fu et al. 2025). (B, T); 1 on fresh tokens, where π_prox = μ."""
+    """Decoupled PPO's token weight min(π_prox/μ, c) (B, T), μ the sampler, π_prox the clip's centre
+    (Hilton et al. 2021; the cap as AReaL, Fu et al. 2025): 1 on fresh tokens, where π_prox = μ."""
     return (prox_logprobs - behaviour_logprobs).exp().clamp(max=cap)
 
 
 def prox_and_values(models, b, args, rt):
     """log π(y_t|s_t) and V(s_t) of a stored batch's tokens with the models as they are now (no
     grad; V 0 without a value model). (B, R) each."""
-    mask, c, chunk = b["response_mask"], b["context_length"], args.local_rollout_forward_batch_size
+    c, pad = b["context_length"], ~b["response_mask"]
     prox, values = torch.zeros_like(b["logprobs"]), torch.zeros_like(b["logprobs"])
     with rt.no_grad(), rt.autocast():
-        for rows, L, ids, ids_mask in response_chunks(b, chunk):
+        for rows, L, ids, ids_mask in response_chunks(b, args.local_rollout_forward_batch_size):
             prox[rows, :L] = response_logprobs(models.policy, ids, ids_mask, c, args.temperature,
                                                models.policy_head)[0]
             if models.value_model is not None:
                 values[rows, :L] = state_values(models.value_model, ids, ids_mask, c)
-    return prox.masked_fill(~mask, 0.0), values.masked_fill(~mask, 0.0)
-
-
-def repad(parts, pad_token_id):
-    """Batches of other widths as one: prompts left-padded to the widest P, responses right-padded
-    to the widest R (positions come from the mask: no number changes). -> (ΣB, P + R) rows."""
-    P = max(b["context_length"] for b in parts)
-    R = max(b["query_responses"].shape[1] - b["context_length"] for b in parts)
-
-    def padded(b, k):
-        c, r = b["context_length"], b["query_responses"].shape[1] - b["context_length"]
-        if k in ("query_responses", "attention_mask"):  # (B, c + r)
-            return F.pad(b[k], (P - c, R - r), value=pad_token_id if k == "query_responses" else 0)
-        return F.pad(b[k], (0, R - r)) if b[k].dim() == 2 else b[k]  # (B, r) per token; (B,) per row
-    keys = [k for k, v in parts[0].items() if torch.is_tensor(v)]
-    return dict({k: torch.cat([padded(b, k) for b in parts]) for k in keys}, context_length=P)
-
-
-def replay_metrics(train, args, rt):
-    """How stale the rows are: replayed share of tokens, mean age (updates; fresh 0), k3
-    KL(μ‖π_prox) by age, π_prox/μ on replayed tokens (before the cap), all over all ranks."""
-    mask, age = train["response_mask"], train["age"][:, None].expand_as(train["response_mask"])
-    k3 = kl_estimate(train["logprobs"], train["prox"], "k3")  # ρ − 1 − log ρ, ρ = π_prox/μ
-    weight, replayed = (train["prox"] - train["logprobs"]).exp(), mask & (age > 0)
-    sums = [mask.sum(), replayed.sum(), (age * mask).sum(), (weight * replayed).sum()]
-    for a in range(1, args.replay_rounds + 1):
-        sums += [(k3 * (mask & (age == a))).sum(), (mask & (age == a)).sum()]
-    tokens, n, ages, w, *by_age = all_ranks_sum(torch.stack([x.double() for x in sums])).tolist()
-    weight_max = max(all_ranks_objects(torch.where(replayed, weight, -math.inf).max().item()))
-    kl_by_age = {f"replay/kl_age{a + 1}": k / c if c else math.nan
-                 for a, (k, c) in enumerate(zip(by_age[::2], by_age[1::2]))}
-    return {"replay/share": n / tokens, "replay/mean_age": ages / tokens, **kl_by_age,
-            "replay/weight_mean": w / n if n else math.nan, "replay/weight_max": weight_max}
+    return prox.masked_fill(pad, 0.0), values.masked_fill(pad, 0.0)
 
 
 # ------------------------------------------------------------------------- models, data and rewards
@@ -1609,8 +1594,7 @@ def build_addition_task(folder, seed, held_out=True):
 # ---- distributed: torchrun, DDP, FSDP2, statistics over ranks (systems: a first reading may skip this)
 @dataclass
 class Runtime:
-    """This process: its rank of world_size, its device, whether torchrun started it, whether the
-    trained models are FSDP2-sharded, and the autocast dtype (None: fp32)."""
+    """This process: rank, world size, device, whether torchrun and FSDP2 run it, autocast dtype."""
     rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
@@ -1629,14 +1613,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def start_processes(args):
-    """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE: join its process group (nccl on CUDA, gloo on
-    CPU). Without them this is one process and no process group. -> Runtime."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    """Under torchrun (RANK, LOCAL_RANK and WORLD_SIZE set) join its process group. -> Runtime."""
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if "RANK" in os.environ and not dist.is_initialized():
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+        dist.init_process_group("nccl" if cuda else "gloo",
                                 timeout=timedelta(seconds=args.dist_timeout_s))
     torchrun = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
@@ -1660,16 +1643,15 @@ def all_ranks_objects(obj):
 
 
 def agreed(check, *args):
-    """check(*args) on every rank; if it fails on any, all stop and rank 0 prints the first
-    failure's line (any exception: one line too, so no rank waits). No collective inside check. ->
-    its result."""
+    """check(*args) on every rank; if it fails on any, all stop and rank 0 prints the first failure
+    (an exception: as one line, so no rank waits). No collective inside check. -> its result."""
     try:
         result, error = check(*args), None
     except SystemExit as e:
         result, error = None, str(e)
     except Exception as e:  # noqa: BLE001 (every rank must learn of it)
         result, error = None, f"error: {one_line(e)}"
-    failed = [e for e in all_ranks_objects(error) if e]
+    failed = list(filter(None, all_ranks_objects(error)))
     if failed:
         leave_process_group()  # every rank is here, none in a collective: leave together
         raise SystemExit(failed[0] if int(os.environ.get("RANK", 0)) == 0 else 1)
@@ -1692,8 +1674,7 @@ def leave_process_group():
 
 
 def global_mean_var(x, mask):
-    """Mean and unbiased variance of the real entries over all ranks: what one process with the
-    whole batch would get. Two passes (Σx, then Σ(x − μ)²)."""
+    """Mean and unbiased variance of the real entries over all ranks (two passes: Σx, Σ(x − μ)²)."""
     n, total = all_ranks_sum(torch.stack([mask.sum().to(x.dtype), torch.where(mask, x, 0.0).sum()]))
     mean = total / n
     return mean, all_ranks_sum(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
@@ -1709,20 +1690,18 @@ def reduce_over_ranks(averaged, summed, rt):
 
 def wrap_for_training(models, args, rt):
     """The policy and value model as one PolicyAndValue module (gradient checkpointing if asked);
-    under torchrun DDP (whole models per rank) or FSDP2 (1/world_size of weights, gradients, AdamW;
-    with --shard_frozen_models, of the frozen models too)."""
-    for model in [m for m in (models.policy, models.value_model) if m is not None and args.gradient_checkpointing]:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    frozen = [m for m in (models.ref_policy, *[rm for rm, _ in models.reward_models]) if args.shard_frozen_models
-              and m is not None and m is not models.policy]  # LoRA: the reference is the policy
-    for model in [models.policy, models.value_model] + frozen if rt.fsdp else []:
-        if model is not None:
-            shard(model, frozen=any(model is m for m in frozen))
+    under torchrun DDP (whole models per rank) or FSDP2 (weights, gradients, AdamW over ranks)."""
+    trained = [m for m in (models.policy, models.value_model) if m is not None]
+    for model in trained if args.gradient_checkpointing else []:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24
+        (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
     model = PolicyAndValue(models.policy, models.value_model, fused_head=models.policy_head is not None)
-    if rt.torchrun and not rt.fsdp:
+    if rt.fsdp:  # --shard_frozen_models: the frozen models too, but LoRA's reference is the policy
+        frozen = [m for m in (models.ref_policy, *[rm for rm, _ in models.reward_models])
+                  if args.shard_frozen_models and m not in (None, models.policy)]
+        for module in trained + frozen:
+            shard(module, frozen=module in frozen)
+    elif rt.torchrun:
         ddp = torch.nn.parallel.DistributedDataParallel
         no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
                           else "broadcast_buffers": False}  # buffers are constants
@@ -1731,16 +1710,15 @@ def wrap_for_training(models, args, rt):
 
 
 def shard(model, frozen=False):
-    """FSDP2: each decoder block a unit gathered only while it runs; the rest a root unit (a `score`
-    head and its backbone two). A frozen model's roots reshard after forward, else they would stay
-    whole."""
+    """FSDP2: each decoder block a unit gathered only while it runs, the rest a root unit (a `score`
+    head and its backbone: two); a frozen model's roots reshard after forward, not stay whole."""
     from torch.distributed.fsdp import fully_shard
 
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or ()):
             fully_shard(module)
     for root in [backbone(model), model.score] if hasattr(model, "score") else [model]:
-        fully_shard(root, reshard_after_forward=True if frozen else None)
+        fully_shard(root, reshard_after_forward=frozen or None)
 
 
 @contextmanager
@@ -1761,8 +1739,7 @@ def gathered(model, enabled):
 
 @contextmanager
 def gradient_sync(model, sync):
-    """Reduce gradients across ranks in this backward only if `sync`: DDP's no_sync(), FSDP2's
-    set_requires_gradient_sync(). A single process: nothing to do."""
+    """Reduce gradients over ranks in this backward only if `sync` (DDP: no_sync; FSDP2: a flag)."""
     for unit in (m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")):
         unit.set_requires_gradient_sync(sync, recurse=False)
     with nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
@@ -1779,7 +1756,7 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm):
         return None
     scaler.step(optimizer)
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return grad_norm
 
 
@@ -1921,94 +1898,85 @@ def import_peft(flag):
 
 
 # ------------------------- checkpoints, resume and signals (systems: a first reading may skip this)
-# Every field is one of two kinds. Run-only fields change how a run is launched, stored or watched,
-# not what it learns: a resumed run may change them. They change no training number beyond rounding
-# (--distributed and --shard_frozen_models change the order of sums), and --eval_temperature changes
-# the eval/ numbers only. All the others are algorithmic: a checkpoint keeps them, and resuming with
-# another value is refused.
-RUN_ONLY_FIELDS = {"exp_name", "output_dir", "track", "wandb_project_name", "num_sample_generations", "save_every",
-                   "save_total_limit", "resume", "distributed", "shard_frozen_models", "rollout_unshard",
-                   "dist_timeout_s", "merge_lora", "eval_temperature", "health_window", "save_dtype"}
+# Run-only fields change how a run is launched, stored or watched, not what it learns (beyond
+# rounding: --distributed and --shard_frozen_models reorder sums; --eval_temperature changes eval/
+# only), so a resumed run may change them. A checkpoint keeps the others and refuses a new value.
+RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
+    save_every save_total_limit resume distributed shard_frozen_models rollout_unshard
+    dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
 CHECKPOINT_FORMAT = 2  # of state.pt; a checkpoint of another format is refused (load_checkpoint)
+STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
 
 
 def full_state_dict(model, optimizer=None):
-    """The full (unsharded) state of a plain, DDP or FSDP2 model on CPU (and its optimizer's). A
-    collective: every rank calls it, rank 0 gets the tensors."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if optimizer is None:
-        return get_model_state_dict(model, options=options)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    """Full state of a plain, DDP or FSDP2 model (and optimizer) on rank 0's CPU: a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    states = get_state_dict(model, optimizer or [],  # (the model's, the optimizer's)
+                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return states if optimizer else states[0]
 
 
 def save_final(model, models, args, output_dir, rt, num_updates):
     """The trained models as from_pretrained folders in --save_dtype (LoRA: fp32 adapters naming
     their base; --merge_lora: policy_merged/), then complete.json. -> e.g. "policy and value model (fp32)"."""
-    weights, written = full_state_dict(model), {}
-    for name, part in (("policy", models.policy), ("value_model", models.value_model)) if rt.rank == 0 else ():
-        if part is None:  # a value-free estimator has no value model
-            continue
+    weights, written = full_state_dict(model), defaultdict(list)  # written: dtype -> what
+    if rt.rank:  # after the collective, rank 0 writes
+        return ""
+    for name, source_dtype in models.source_dtypes.items():  # no value model: no entry
+        part = getattr(models, name)
+        label, folder = name.replace("_", " "), os.path.join(output_dir, name)
         state = {key.split(".", 1)[1]: value for key, value in weights.items() if key.startswith(name + ".")}
-        label = name.replace("_", " ")
-        dtype = models.source_dtypes[name] or torch.float32 if args.save_dtype == "auto" else DTYPES[args.save_dtype]
-        if args.lora_r:
-            base = models.base_paths[name] or os.path.abspath(os.path.join(output_dir, f"{name}_base"))
-            if not models.base_paths[name]:  # the base's weights: peft's names without the adapters
-                base_state = {k.replace("base_model.model.", "", 1).replace(".base_layer", "")
-                              .replace(".original_module", ""): v for k, v in state.items()
-                              if ".lora_" not in k and ".modules_to_save." not in k}
-                save_folder(base, lambda tmp: save_weights(part.get_base_model(), tmp, base_state, dtype))
-                written[f"{label} base"] = dtype_name(dtype)
-            part.peft_config["default"].base_model_name_or_path = base
-            save_folder(os.path.join(output_dir, name),  # quietly: peft notes that it saves tied embeddings
-                        lambda tmp: (quietly(part.save_pretrained, tmp, state_dict=state),
-                                     models.tokenizer.save_pretrained(tmp)))
-            written[f"{label} adapter"] = "fp32"
-        else:
-            save_folder(os.path.join(output_dir, name), lambda tmp: (save_weights(part, tmp, state, dtype),
-                                                                     models.tokenizer.save_pretrained(tmp)))
-            written[label] = dtype_name(dtype)
-        if name == "policy" and args.merge_lora:
-            def merge(tmp):
-                peft, policy_dir = import_peft("--merge_lora"), os.path.join(output_dir, "policy")
-                base = from_pretrained(AutoModelForCausalLM, adapter_base(policy_dir), "model_name_or_path", args,
-                                       dtype=torch.float32)
-                merged = quietly(peft.PeftModel.from_pretrained, base, policy_dir).merge_and_unload()
+        dtype = DTYPES.get(args.save_dtype) or source_dtype or torch.float32  # auto: the source's
+        base = models.base_paths[name] or os.path.abspath(folder + "_base")  # a LoRA adapter's
+        if args.lora_r and not models.base_paths[name]:  # its weights: peft's names, no adapters
+            base_state = {re.sub(r"^base_model\.model\.|\.base_layer|\.original_module", "", k): v
+                          for k, v in state.items()
+                          if not re.search(r"\.lora_|\.modules_to_save\.", k)}
+            with save_folder(base) as tmp:
+                save_weights(part.get_base_model(), tmp, base_state, dtype)
+            written[dtype].append(f"{label} base")
+        with save_folder(folder) as tmp:
+            if args.lora_r:  # quietly: peft notes that it saves tied embeddings
+                part.peft_config["default"].base_model_name_or_path = base
+                quietly(part.save_pretrained, tmp, state_dict=state)
+                written[torch.float32].append(f"{label} adapter")
+            else:
+                save_weights(part, tmp, state, dtype)
+                written[dtype].append(label)
+            models.tokenizer.save_pretrained(tmp)
+        if name == "policy" and args.merge_lora:  # the saved adapter, merged into its base in fp32
+            peft = import_peft("--merge_lora")
+            merged = from_pretrained(AutoModelForCausalLM, base, "model_name_or_path", args,
+                                     dtype=torch.float32)
+            merged = quietly(peft.PeftModel.from_pretrained, merged, folder).merge_and_unload()
+            with save_folder(folder + "_merged") as tmp:
                 save_weights(merged, tmp, merged.state_dict(), dtype)
                 models.tokenizer.save_pretrained(tmp)
-            save_folder(os.path.join(output_dir, "policy_merged"), merge)
-            written["merged policy"] = dtype_name(dtype)
-    by_dtype = {d: [w for w in written if written[w] == d] for d in written.values()}
-    saved = ", ".join(f"{' and '.join(names)} ({d})" for d, names in by_dtype.items())
-    if rt.rank == 0:  # the completion marker, after the models: --resume auto reads it (run_folder)
-        with open(os.path.join(output_dir, "complete.json"), "w") as f:
-            json.dump({"updates": num_updates, "saved": saved}, f)
+            written[dtype].append("merged policy")
+    names = {v: k for k, v in DTYPES.items()}  # fp32, bf16, fp16; any other: e.g. float64
+    saved = ", ".join(f"{' and '.join(w)} ({names.get(d, str(d)[6:])})" for d, w in written.items())
+    with open(os.path.join(output_dir, "complete.json"), "w") as f:  # after the models (run_folder)
+        json.dump({"updates": num_updates, "saved": saved}, f)
     return saved
 
 
-def dtype_name(dtype):
-    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
-
-
 def save_weights(model, folder, state, dtype):
-    """model.save_pretrained(folder) with the floating-point tensors of `state` in dtype, and a
-    config.json that says so (transformers writes the dtype of the model in memory)."""
+    """save_pretrained(folder), the float tensors of `state` in dtype; its config.json says so."""
     model.save_pretrained(folder, state_dict={k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
-    path = os.path.join(folder, "config.json")
+    path = os.path.join(folder, "config.json")  # transformers wrote the in-memory dtype
     with open(path) as f:
         config = json.load(f)
     config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = str(dtype).split(".")[1]
     with open(path, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
+        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def save_folder(path, write):
-    """write(folder) into path.tmp, then swap it in: a crash never leaves a half-written folder."""
+@contextmanager
+def save_folder(path):
+    """Yields path.tmp to write into, then swaps it in: a crash never leaves a half-written one."""
     shutil.rmtree(path + ".tmp", ignore_errors=True)
-    write(path + ".tmp")
+    os.makedirs(path + ".tmp")
+    yield path + ".tmp"
     if os.path.exists(path):
         os.replace(path, path + ".old")
     os.replace(path + ".tmp", path)
@@ -2016,135 +1984,91 @@ def save_folder(path, write):
 
 
 def list_checkpoints(output_dir):
-    """Complete checkpoint folders in output_dir, oldest first (.tmp: an interrupted write)."""
+    """Complete checkpoint folders in output_dir, oldest first (.tmp, .old: a save interrupted)."""
     return sorted(os.path.join(output_dir, d) for d in os.listdir(output_dir)
-                  if d.startswith("checkpoint-") and not d.endswith(".tmp"))
+                  if d.startswith("checkpoint-") and not d.endswith((".tmp", ".old")))
 
 
-def save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models):
-    """All a run needs to go on exactly (weights, optimizer, schedule, scaler, update, progress,
-    flags, stop ids, reward kind), via .tmp; the newest save_total_limit stay."""
-    weights, optimizer_state = full_state_dict(model, optimizer)  # a collective
-    if "replay" in progress:  # every rank's buffer, rank 0 writes them all (a collective)
-        cpu = [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in progress["replay"]]
-        progress = {**progress, "replay": all_ranks_objects(cpu)}
-    if args.lora_r:  # only what trains
-        inner = model.module if hasattr(model, "module") else model  # DDP
-        trained = {name for name, p in inner.named_parameters() if p.requires_grad}
-        weights = {k: v for k, v in weights.items() if k in trained}
-    path = os.path.join(output_dir, f"checkpoint-{update:06d}")
-    if rt.rank == 0:
-        tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        state = dict(update=update, **progress, model=weights, optimizer=optimizer_state,
-                     lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(), world_size=rt.world_size,
-                     config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS},
-                     stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
-        torch.save(state, os.path.join(tmp, "state.pt"))
-        with open(os.path.join(tmp, "state.pt"), "rb") as f:
-            os.fsync(f.fileno())
-        shutil.rmtree(path, ignore_errors=True)  # a damaged one
-        os.replace(tmp, path)
-        for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
-            shutil.rmtree(old)
-    if rt.torchrun:
-        dist.barrier()  # wait for the write here
-    return path
-
-
-def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models):
-    """Restore what save_checkpoint wrote, on every rank (weights_only: nothing in it runs code). ->
-    the update it was written after, and the loop's progress then."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
+def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models, progress):
+    """Restore checkpoint() on every rank (weights_only: runs no code). -> (update, progress)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     if state.get("format") != CHECKPOINT_FORMAT:
         fail(f"--resume {path!r} was written by another version of ppo_rlhf.py (checkpoint format "
              f"{state.get('format')}, this one reads {CHECKPOINT_FORMAT}); start a new run")
-    # the stop ids it resolved must be this run's, however the flags name them (they also come from the model)
-    stop_flags = {"stop_token", "stop_token_id"}
-    changed = [k for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS | stop_flags
-               and state["config"].get(k) != v]
+    changed = [k for k, v in asdict(args).items() if state["config"].get(k) != v
+               and k not in RUN_ONLY_FIELDS | {"stop_token", "stop_token_id"}]  # stop ids: below
     if changed:
         fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
-    if state["stop_token_ids"] != models.stop_token_ids:  # generation_config changed
-        then = state["stop_token_ids"]
+    then = state["stop_token_ids"]
+    if then != models.stop_token_ids:  # however the flags or generation_config name them
         fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {models.stop_token_ids}: give "
              + (f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"))
     if state["world_size"] != rt.world_size:  # the prompt stream depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
-    options = StateDictOptions(full_state_dict=True)  # LoRA: only what trains
-    set_model_state_dict(model, state["model"], options=options)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    set_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True),
+                   model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
-    progress = {key: state[key] for key in no_progress(args)}
+    progress = {key: state[key] for key in progress}
     if args.replay_rounds:  # this rank's buffer
         progress["replay"] = [{k: v.to(rt.device, copy=True) if torch.is_tensor(v) else v
                                for k, v in b.items()} for b in progress["replay"][rt.rank]]
     return state["update"], progress
 
 
-def no_progress(args):
-    """The loop's state besides the weights at the start: the non-finite streak, β, the running
-    score moments (count, mean, M2)."""
-    replay = {"replay": []} if args.replay_rounds else {}  # --replay_rounds: the last N batches
-    return dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0), **replay)
-
-
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
-    """--resume: load the newest checkpoint that loads (a damaged one is skipped with a warning, never half-loaded),
-    and drop the lines of later updates from metrics.jsonl and samples.jsonl (no duplicate, no gap); with none, set
-    a crashed run's aside. -> (first update to run, the loop's progress: see no_progress)."""
+    """--resume: load the newest checkpoint that loads (a damaged one: skipped with a warning,
+    never half-loaded), cut the logs back to it; with none, set a crashed run's aside."""
+    # the loop's state besides the weights: non-finite streak, β, score moments (count, mean, M2)
+    progress = dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0))
+    if args.replay_rounds:  # the last N batches
+        progress["replay"] = []
     if not args.resume:
-        return 0, no_progress(args)
-    metrics_path, auto = os.path.join(output_dir, "metrics.jsonl"), args.resume == "auto"
+        return 0, progress
+    logs = [log.path, log.samples_path] if rt.rank == 0 else []  # metrics.jsonl, samples.jsonl
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
     candidates = all_ranks_objects((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
-                                   if auto else [args.resume])[0]
-    start_update, progress = 0, no_progress(args)
-    for i, path in enumerate(candidates):
+                                   if args.resume == "auto" else [args.resume])[0]
+    start_update = 0
+    for path in candidates:
         try:
-            start_update, progress = load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models)
+            start_update, progress = load_checkpoint(path, model, optimizer, lr_scheduler, scaler,
+                                                     args, rt, models, progress)
             log.print(f"resumed from {path} after update {start_update}")
             break
         except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
             reason = str(e).strip().splitlines()[0]
-            if not auto or i == len(candidates) - 1:
+            if path == candidates[-1]:  # the one named, or the oldest
                 fail(f"--resume {path!r} cannot be loaded: {reason}")
             log.print(f"warning: skipping damaged checkpoint {path}: {reason}", file=sys.stderr)
-    if not candidates and os.path.exists(metrics_path):  # a run that crashed before its first checkpoint
+    if not candidates and logs and os.path.exists(logs[0]):  # crashed before its first checkpoint
         stale = f".stale-{int(time.time())}"  # its logs are kept under this suffix, not deleted
-        for path in (metrics_path, os.path.join(output_dir, "samples.jsonl")) if rt.rank == 0 else ():
-            if os.path.exists(path):
-                os.replace(path, path + stale)
+        for path in filter(os.path.exists, logs):
+            os.replace(path, path + stale)
         log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed run): set aside as "
                   f"metrics.jsonl{stale}, starting over at update 1")
     elif not candidates:
         log.print(f"--resume auto: no checkpoint in {output_dir}, nothing to resume: starting at update 1")
-    if all_ranks_sum(torch.tensor([start_update], device=rt.device)).item() != start_update * rt.world_size:
+    if len(set(all_ranks_objects(start_update))) > 1:
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
              "is --output_dir on a filesystem every node sees?")
-    for path in (metrics_path, os.path.join(output_dir, "samples.jsonl")) if rt.rank == 0 else ():
-        if os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["update"] <= start_update]
-            with open(path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(path + ".tmp", path)
+    for path in filter(os.path.exists, logs):  # no duplicate line, no gap
+        with open(path) as f, open(path + ".tmp", "w") as g:
+            g.writelines(ln for ln in f if ln.strip() and json.loads(ln)["update"] <= start_update)
+        os.replace(path + ".tmp", path)
     return start_update, progress
 
 
 def run_folder(args, rt):
     """--output_dir (default: default_output_dir), as rank 0 sees it, on every rank; None if --resume auto
     finds there a run whose final save wrote complete.json: it says so, and what it saved."""
-    output_dir, marker = all_ranks_objects(args.output_dir or default_output_dir(args))[0], None  # rank 0's
+    output_dir, marker = args.output_dir or default_output_dir(args), None
     if args.resume == "auto" and os.path.isfile(os.path.join(output_dir, "complete.json")):
         with open(os.path.join(output_dir, "complete.json")) as f:
             marker = json.load(f)
-    marker = all_ranks_objects(marker)[0]
+    output_dir, marker = all_ranks_objects((output_dir, marker))[0]  # rank 0's
     if marker and rt.rank == 0:
         say(f"--resume auto: {output_dir} holds a complete run of {marker['updates']} updates, nothing to resume; "
             f"saved there: {marker['saved']}")
@@ -2156,11 +2080,10 @@ def default_output_dir(args):
     --exp_name and --seed that holds a checkpoint or a finished run (if any)."""
     prefix = f"{args.exp_name}__{args.seed}__"
     if args.resume == "auto" and os.path.isdir("runs"):
-        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()]
-        runs = [d for d in runs if list_checkpoints(os.path.join("runs", d))
-                or os.path.isfile(os.path.join("runs", d, "complete.json"))]  # stopped, or finished: says so
-        if runs:
-            return os.path.join("runs", max(runs, key=lambda d: int(d[len(prefix):])))
+        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
+                and (list_checkpoints(f"runs/{d}") or os.path.isfile(f"runs/{d}/complete.json"))]
+        if runs:  # stopped, or finished: says so
+            return f"runs/{max(runs, key=lambda d: int(d.removeprefix(prefix)))}"
     return f"runs/{prefix}{int(time.time())}"
 
 
@@ -2175,47 +2098,64 @@ def count_bad_updates(bad_updates, stop_reason, update, log):
     return bad_updates + 1
 
 
-STOP_SIGNALS = []  # (signal, time) appended by request_stop; checkpoint() reads it after every update
-
-
 def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models, log):
-    """After `update` updates: a checkpoint every --save_every, and one when a signal reached any rank
-    (a collective: every rank takes the same path). -> whether to stop (a signal; it says how to go on)."""
-    stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
-    if stop or (args.save_every and update % args.save_every == 0):
-        saved = save_checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models)
-        if stop:
-            log.print(f"saved {saved}; continue with the same flags plus: --output_dir {output_dir} --resume auto")
+    """Every --save_every updates, and when a signal reached any rank (a collective): all a run
+    needs to go on exactly, via .tmp; the newest --save_total_limit stay. -> whether to stop."""
+    stop = any(all_ranks_objects(STOP_SIGNALS))
+    if not (stop or args.save_every and update % args.save_every == 0):
+        return False
+    weights, optimizer_state = full_state_dict(model, optimizer)  # a collective
+    if "replay" in progress:  # every rank's buffer, rank 0 writes them all (a collective)
+        cpu = [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in progress["replay"]]
+        progress = {**progress, "replay": all_ranks_objects(cpu)}
+    path = os.path.join(output_dir, f"checkpoint-{update:06d}")
+    if rt.rank == 0:  # it has the tensors
+        if args.lora_r:  # only what trains
+            inner = getattr(model, "module", model)  # DDP
+            weights = {n: weights[n] for n, p in inner.named_parameters() if p.requires_grad}
+        state = dict(update=update, **progress, model=weights, optimizer=optimizer_state,
+                     lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(), world_size=rt.world_size,
+                     config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS},
+                     stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
+        with save_folder(path) as tmp:
+            torch.save(state, os.path.join(tmp, "state.pt"))
+            with open(os.path.join(tmp, "state.pt"), "rb") as f:
+                os.fsync(f.fileno())
+        for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
+            shutil.rmtree(old)
+    if rt.torchrun:
+        dist.barrier()  # wait for the write here
+    if stop:  # how to go on
+        log.print(f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
+                  "--resume auto")
     return stop
 
 
 def request_stop(signum, frame):
-    """SIGINT/SIGTERM/SIGHUP: finish the current update, save a checkpoint, exit 0. A second signal
-    more than 1 s later exits at once; within 1 s it is the same request delivered twice (Ctrl-C under
-    torchrun reaches a rank from the terminal and again from torchrun)."""
-    if STOP_SIGNALS and time.monotonic() - STOP_SIGNALS[0][1] > 1.0:
-        os._exit(128 + signum)
-    if STOP_SIGNALS:
+    """SIGINT/SIGTERM/SIGHUP: finish this update, save a checkpoint, exit 0."""
+    if STOP_SIGNALS:  # within 1 s: the same one twice (Ctrl-C under torchrun reaches a rank twice)
+        if time.monotonic() - STOP_SIGNALS[0][1] > 1.0:  # a later one exits at once
+            os._exit(128 + signum)
         return
     STOP_SIGNALS.append((signum, time.monotonic()))
-    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank gets the signal; one notice
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the signal; one notice
         say(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr)
 
 
 # ------------------------------------- logging and metrics (systems: a first reading may skip this)
 def json_line(metrics):
     """One line of strict JSON: a non-finite value (0/0 explained variance) is written as null."""
-    return json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()},
-                      allow_nan=False) + "\n"
+    return json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None
+                       for k, v in metrics.items()}, allow_nan=False) + "\n"
 
 
 def say(*lines, file=None):
-    """print to file (stdout by default), flushed. A dead reader (EPIPE: `| tee` exited; EIO: the terminal
-    closed) must not end a run: the line is dropped and the stream's fd goes to os.devnull from then on."""
+    """print to file (stdout by default), flushed. A dead reader (EPIPE: `| tee` exited; EIO: the
+    terminal closed) must not end a run: the line is dropped, the stream's fd goes to os.devnull."""
     file = file or sys.stdout  # sys.stdout now, not at import
     try:
         print(*lines, file=file, flush=True)
-    except OSError:  # what is still buffered goes to os.devnull too, so Python's flush at exit cannot fail
+    except OSError:  # what is still buffered goes there too: Python's flush at exit cannot fail
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, file.fileno())
         os.close(devnull)
@@ -2223,24 +2163,23 @@ def say(*lines, file=None):
 
 @torch.no_grad()
 def update_stats(stats, mb, entropy, losses, tokens):
-    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`: its losses,
+    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`: losses,
     entropy, and the ratio statistics of the tokens its loss used (policy_loss, ratio_stats)."""
     mask = mb["response_mask"]
     for key, value in {**losses, **ratio_stats(tokens, mask), "policy/entropy_avg": masked_mean(entropy, mask)}.items():
         stats[key].append(value.detach().float())
     if "age" in mb:  # replay: token counts of fresh and replayed tokens apart (replay_stats)
-        fresh, clipped = mask & (mb["age"] == 0)[:, None], tokens["clipped"]
-        for key, x in {"fresh": fresh, "replayed": mask & ~fresh, "clipped_fresh": clipped & fresh,
-                       "clipped_replayed": clipped & mask & ~fresh, "outside_fresh": tokens["outside"] & fresh,
-                       "ratio_fresh": torch.where(fresh, tokens["ratio"], 0.0),
-                       "approxkl_fresh": torch.where(fresh, tokens["approxkl"], 0.0)}.items():
+        fresh = mask & (mb["age"] == 0)[:, None]
+        replayed, clipped = mask & ~fresh, tokens["clipped"]
+        for key, x in {"fresh": fresh, "replayed": replayed, "clipped_replayed": clipped & replayed,
+                       **{f"{k}_fresh": torch.where(fresh, tokens[k], 0.0)
+                          for k in ("clipped", "outside", "ratio", "approxkl")}}.items():
             stats[f"replay/{key}"].append(x.sum().float())
 
 
 def reward_model_spread(source_scores, num_reward_models):
     """The reward models' disagreement on each response (B,): the std (ddof 0) of their scores, the
-    first num_reward_models columns of source_scores (B, S). A policy that games one of them moves
-    where they differ."""
+    first num_reward_models columns of source_scores (B, S). Gaming one moves where they differ."""
     return source_scores[:, :num_reward_models].std(1, correction=0)
 
 
@@ -2256,22 +2195,20 @@ def update_metrics(batch, trained, models, args, rt):
     stats = dict(trained.stats)
     replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
     beta = batch["reward_kl_coef"]  # β of the KL in the reward (0 with --kl_in loss)
-    averaged = {
-        "objective/entropy": (-batch["logprobs"]).sum(1).mean(),
-        "objective/non_score_reward": (-beta * kl).sum(1).mean(),
-        "objective/rlhf_reward": (scores - beta * kl.sum(1)).mean(),
-        "objective/scores": scores.mean(),
-        "objective/raw_scores": batch["raw_scores"].mean(),
-        "val/mean_response_length": batch["lengths"].float().mean(),
-        "val/truncated_frac": batch["truncated"].float().mean(),
-        **{key: torch.stack(values).mean() for key, values in stats.items()},
-        "policy/epochs": trained.optimizer_steps / trained.steps_per_epoch,
-    }
+    averaged = {"objective/entropy": (-batch["logprobs"]).sum(1).mean(),
+                "objective/non_score_reward": (-beta * kl).sum(1).mean(),
+                "objective/rlhf_reward": (scores - beta * kl.sum(1)).mean(),
+                "objective/scores": scores.mean(),
+                "objective/raw_scores": batch["raw_scores"].mean(),
+                "val/mean_response_length": batch["lengths"].float().mean(),
+                "val/truncated_frac": batch["truncated"].float().mean(),
+                **{key: torch.stack(values).mean() for key, values in stats.items()},
+                "policy/epochs": trained.optimizer_steps / trained.steps_per_epoch}
     if models.ref_policy is not None:  # --kl_coef 0 loads none
         averaged["objective/kl"] = kl.sum(1).mean()
     if models.value_model is not None:
-        averaged["val/explained_variance"] = explained_variance(global_mean_var(returns - batch["values"], mask)[1],
-                                                                global_mean_var(returns, mask)[1])
+        variances = [global_mean_var(x, mask)[1] for x in (returns - batch["values"], returns)]
+        averaged["val/explained_variance"] = explained_variance(*variances)
     if args.num_generations > 1:  # groups with A = 0
         averaged["objective/frac_reward_zero_std"] = (scores.view(-1, args.num_generations).std(1) == 0).float().mean()
     if stats:  # must be 1 and 0 (fresh tokens: replay_stats)
@@ -2279,7 +2216,7 @@ def update_metrics(batch, trained, models, args, rt):
         averaged["policy/first_approxkl"] = stats["policy/approxkl_avg"][0]
     if models.builtin_reward:  # the built-in task: the share of answers that score 1
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
-    num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # reward models first
+    num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # RMs first
     sources = [f"rm{j}" for j in range(num_rms)] + [f"fn{j}" for j in range(len(models.reward_fns))]
     if len(sources) > 1:  # each source's mean raw score, over the rows it scored
         averaged.update({f"objective/raw_scores/{name}": x.nanmean() for name, x in zip(sources, source_scores.T)})
@@ -2296,9 +2233,9 @@ def update_metrics(batch, trained, models, args, rt):
 
 
 def replay_stats(sums, micro_batches):
-    """Replay's training statistics from update_stats' token counts, over all ranks: clip shares of
-    fresh and replayed tokens; first ratio and approx KL of the first minibatch's fresh ones (NaN:
-    none; replayed ones start at π_prox/μ)."""
+    """Replay's statistics from update_stats' token counts, over all ranks: clip shares of fresh and
+    replayed tokens; first ratio, approx KL of the first minibatch's fresh ones (NaN: none; replayed
+    ones start at π_prox/μ)."""
     keys = ("fresh", "replayed", "clipped_fresh", "clipped_replayed", "outside_fresh")
     first = [sums[f"replay/{k}"][:micro_batches].sum() for k in ("fresh", "ratio_fresh", "approxkl_fresh")]
     x = all_ranks_sum(torch.stack([sums[f"replay/{k}"].sum() for k in keys] + first).double()).tolist()
@@ -2312,25 +2249,22 @@ def health_hints(window, args, has_stop_token):
     """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}: > 50% of
     ratios out of the clip; KL up 50% (and 0.1) with no better score; >= 90% cut off."""
     hints, last, n = {}, window[-1], len(window)
-    # fresh tokens under replay; absent when no minibatch trained
     outside = last.get("replay/outside_clip_fresh", last.get("policy/ratio_outside_clip_avg", 0.0))
-    if outside > 0.5:
+    if outside > 0.5:  # fresh tokens under replay; absent when no minibatch trained
         hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε_high] in this "
                           "update: the policy moves too far per update; lower --learning_rate or --num_ppo_epochs (or "
                           "set --target_kl)")
-    if n < max(args.health_window, 2):
-        return hints
-    halves = window[: n // 2], window[n // 2 :]
-    if "objective/kl" in last:
-        (kl_before, kl_now), (score_before, score_now) = ([sum(m[key] for m in h) / len(h) for h in halves]
-                                                          for key in ("objective/kl", "objective/scores"))
+    full = n >= max(args.health_window, 2)  # the other hints judge a full window of 2 or more
+    if full and "objective/kl" in last:  # the means of its older and newer halves
+        kl_before, kl_now, score_before, score_now = (sum(m[key] for m in h) / len(h) for key in (
+            "objective/kl", "objective/scores") for h in (window[: n // 2], window[n // 2 :]))
         if kl_now > 1.5 * kl_before and kl_now - kl_before > 0.1 and score_now <= score_before:
             hints["kl"] = (f"the KL to the reference rose from {kl_before:.2f} to {kl_now:.2f} over the last {n} "
                            f"updates while the score did not ({score_before:.3f} -> {score_now:.3f}): the policy "
                            "drifts without gaining reward (or games it); raise --kl_coef or set --adaptive_kl_target, "
                            "and watch eval/score")
     truncated = [m["val/truncated_frac"] for m in window]
-    if has_stop_token and min(truncated) >= 0.9:
+    if full and has_stop_token and min(truncated) >= 0.9:
         hints["length"] = (f"{sum(truncated) / n:.0%} of the responses of the last {n} updates (>= 90% in each) were "
                            f"cut off at --response_length {args.response_length} before the stop token: raise "
                            "--response_length, or penalise it (--missing_eos_penalty, --overlong_buffer)")
@@ -2344,14 +2278,12 @@ def described(prompts):
 
 
 class Logger:
-    """Rank 0 prints a start line and a line per update (and sample completions
-    num_sample_generations times), and appends one JSON object per update to metrics.jsonl (and
-    sends it to wandb with --track); health hints (see health_hints) on stderr."""
+    """Rank 0 prints a start line, a line per update (samples num_sample_generations times), hints
+    on stderr, and appends one JSON object per update to metrics.jsonl (and wandb with --track)."""
 
     def __init__(self, args, output_dir, sizes, rt, inputs, models):
-        self.args, self.sizes, self.rt, self.last, self.first_update = args, sizes, rt, None, None
-        self.path, n, self.wandb = os.path.join(output_dir, "metrics.jsonl"), args.num_sample_generations, None
-        self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        self.args, self.sizes, self.rt, self.output_dir = args, sizes, rt, output_dir
+        self.last, self.logged, self.wandb, n = None, 0, None, args.num_sample_generations
         self.sample_every = max(1, sizes.num_updates // n) if n else 0
         if args.track and rt.rank == 0:  # check_inputs found it importable
             import wandb
@@ -2360,9 +2292,12 @@ class Logger:
         if rt.rank == 0:
             os.makedirs(output_dir, exist_ok=True)
         mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
-        every = [p for m in (models.policy, models.value_model) if m is not None for p in m.parameters()]
-        every, trained = sum(p.numel() for p in every), sum(p.numel() for p in every if p.requires_grad)
-        k = args.num_generations
+        lora, k = "", args.num_generations
+        if args.lora_r:  # what trains
+            params = [p for m in (models.policy, models.value_model) if m is not None
+                      for p in m.parameters()]
+            lora = (f"; LoRA r {args.lora_r}: {sum(p.numel() for p in params if p.requires_grad):,}"
+                    f" of {sum(p.numel() for p in params):,} parameters train")
         what = "prompts" if k == 1 else f"responses to {sizes.batch_size // k} prompts x {k}"
         evaluated = f"eval {described(inputs.eval_prompts)}" if inputs.eval_prompts else "no eval"
         if args.eval_dataset == "auto":  # say what auto chose
@@ -2374,23 +2309,24 @@ class Logger:
                    f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, stop ids "
                    f"{models.stop_token_ids or 'none'}, output {output_dir}; {models.value_source}"
                    f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
-                   + (f"; LoRA r {args.lora_r}: {trained:,} of {every:,} parameters train" if args.lora_r else ""))
+                   f"{lora}")
         self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)
-        self.window, self.hinted = deque(maxlen=args.health_window), {}  # {hint: update}
-        value = models.value_model is not None  # the columns a run has
-        has = {"objective/kl": models.ref_policy is not None, "loss/value_avg": value, "val/explained_variance": value,
-               "objective/rm_spread": len(models.reward_models) > 1}
-        self.shown = [(name, key, fmt) for name, key, fmt in self.SHOWN if has.get(key, True)]
-
-    SHOWN = [("kl", "objective/kl", ".3f"), ("approxkl", "policy/approxkl_avg", ".4f"),
-             ("clipfrac", "policy/clipfrac_avg", ".3f"), ("vloss", "loss/value_avg", ".4f"),
-             ("ev", "val/explained_variance", ".2f"), ("len", "val/mean_response_length", ".1f"),
-             ("rm_spread", "objective/rm_spread", ".3f")]
+        self.window, self.quiet_until = deque(maxlen=args.health_window), {}  # {hint: update}
+        value = models.value_model is not None  # the columns a run has, as formats of its metrics
+        columns = {"success {objective/success_rate:4.0%}": models.builtin_reward,
+                   "score {objective/scores:.3f}": True,
+                   "kl {objective/kl:.3f}": models.ref_policy is not None,
+                   "approxkl {policy/approxkl_avg:.4f}": True,
+                   "clipfrac {policy/clipfrac_avg:.3f}": True, "vloss {loss/value_avg:.4f}": value,
+                   "ev {val/explained_variance:.2f}": value,
+                   "len {val/mean_response_length:.1f}": True,
+                   "rm_spread {objective/rm_spread:.3f}": len(models.reward_models) > 1}
+        self.columns = "".join(f"{column}  " for column, shown in columns.items() if shown)
 
     def evaluates(self, update):
         """Evaluate after update (0-based) num_sample_generations times, and after the last."""
-        update += 1
-        return update == self.sizes.num_updates or bool(self.sample_every) and (update - 1) % self.sample_every == 0
+        every = self.sample_every
+        return update + 1 == self.sizes.num_updates or bool(every) and update % every == 0
 
     def print(self, *lines, file=None):
         if self.rt.rank == 0:
@@ -2404,55 +2340,55 @@ class Logger:
         self.laps[name] = time.perf_counter() - self.start - sum(self.laps.values())
 
     def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples=()):
-        """One update into metrics.jsonl (with times, memory) and a line on stdout; sometimes
-        samples; the evaluation's samples (rank 0's) into samples.jsonl, a few on stdout (and
-        wandb)."""
-        t, num_updates, update, nan = self.laps, self.sizes.num_updates, update + 1, float("nan")
-        self.first_update = update - 1 if self.first_update is None else self.first_update
-        elapsed = time.time() - self.start_time
-        eta = elapsed / (update - self.first_update) * (num_updates - update)
+        """One update into metrics.jsonl (with times, memory), a line on stdout, sometimes samples;
+        the evaluation's samples (rank 0's) into samples.jsonl, a few on stdout (and wandb)."""
+        t, update, elapsed = self.laps, update + 1, time.time() - self.start_time
+        self.logged += 1
         peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.rt.device.type == "cuda"
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # KiB
         m = self.last = {
             "update": update, "episode": update * self.sizes.batch_size, "lr": lr, **metrics,
-            "eps": (update - self.first_update) * self.sizes.batch_size / elapsed,
-            "time/update_s": time.perf_counter() - self.start, "time/generate_s": t["generate"],
-            "time/score_s": t["score"], "time/train_s": t["train"],
+            "eps": self.logged * self.sizes.batch_size / elapsed,
+            "time/update_s": time.perf_counter() - self.start,
+            **{f"time/{name}_s": seconds for name, seconds in t.items()},
             "time/rollout_tokens_per_s": token_counts["rollout"] / t["generate"],
             "time/score_tokens_per_s": token_counts["score"] / t["score"],
             "time/train_tokens_per_s": token_counts["train"] / max(t["train"], 1e-9), "memory/peak_mib": peak_memory}
-        if self.rt.rank == 0:
-            with open(self.path, "a") as f:  # a whole line per update
-                f.write(json_line(m))
-            if samples:
-                with open(self.samples_path, "a") as f:
-                    f.writelines(json.dumps(sample) + "\n" for sample in samples)
-            if self.wandb:
-                table = samples and self.wandb.Table(columns=list(samples[0]), data=[list(x.values()) for x in samples])
-                self.wandb.log({**m, **({"eval/samples": table} if samples else {})}, step=update)
-        success = f"success {m['objective/success_rate']:4.0%}  " if "objective/success_rate" in m else ""
+        if self.rt.rank:  # rank 0 writes and prints
+            return
+        with open(os.path.join(self.output_dir, "metrics.jsonl"), "a") as f:  # whole lines only
+            f.write(json_line(m))
+        if samples:
+            with open(os.path.join(self.output_dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(sample) + "\n" for sample in samples)
+        if self.wandb:  # the evaluation's samples as a table
+            tables = {"eval/samples": self.wandb.Table(columns=list(samples[0]), data=[
+                list(s.values()) for s in samples])} if samples else {}
+            self.wandb.log({**m, **tables}, step=update)
         hms = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
-        self.print(f"update {update}/{num_updates}  {success}score {m['objective/scores']:.3f}  "
-                   + "".join(f"{name} {m.get(key, nan):{fmt}}  " for name, key, fmt in self.shown) + "| "
-                   f"{m['time/update_s']:.2f}s: generate {t['generate']:.2f}  score {t['score']:.2f}  "
-                   f"train {t['train']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, eta {hms(eta)}")
+        columns = self.columns.format_map(defaultdict(lambda: math.nan, m))  # NaN: not this update
+        say(f"update {update}/{self.sizes.num_updates}  {columns}| {m['time/update_s']:.2f}s: "
+            f"generate {t['generate']:.2f}  score {t['score']:.2f}  train {t['train']:.2f}  | "
+            f"{peak_memory:.0f} MiB  | {hms(elapsed)}, "
+            f"eta {hms(elapsed / self.logged * (self.sizes.num_updates - update))}")
         self.window.append(m)  # stays empty with --health_window 0
         hints = health_hints(list(self.window), self.args, self.has_stop_token) if self.window else {}
         for name, hint in hints.items():
-            if name not in self.hinted or update - self.hinted[name] >= self.args.health_window:
-                self.hinted[name] = update
-                self.print(f"hint: update {update}: {hint}", file=sys.stderr)
+            if update >= self.quiet_until.get(name, 0):  # at most once per window
+                self.quiet_until[name] = update + self.args.health_window
+                say(f"hint: update {update}: {hint}", file=sys.stderr)
         if self.sample_every and self.evaluates(update - 1):  # the evaluation's schedule
             shown = list(zip(rows, batch["completions"], batch["scores"].tolist()))[:: self.args.num_generations]
             for r, c, s in shown[:3]:  # one response per prompt: a group is k rows of one prompt
-                self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
+                say(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
         if "eval/score" in m:
             success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
             spread = f"rm_spread {m['eval/rm_spread']:.3f}  " if "eval/rm_spread" in m else ""
-            self.print(f"  eval {success}score {m['eval/score']:.3f}  kl {m.get('eval/kl', nan):.3f}  "
-                       f"len {m['eval/response_length']:.1f}  {spread}(held-out, T = {self.args.eval_temperature:g})")
-            for sample in samples[:3]:
-                self.print(f"    {sample['prompt']!r} -> {sample['completion']!r}  score {sample['score']:.2f}")
+            say(f"  eval {success}score {m['eval/score']:.3f}  kl {m.get('eval/kl', math.nan):.3f}"
+                f"  len {m['eval/response_length']:.1f}  {spread}"
+                f"(held-out, T = {self.args.eval_temperature:g})")
+            for s in samples[:3]:
+                say(f"    {s['prompt']!r} -> {s['completion']!r}  score {s['score']:.2f}")
 
     def finish(self, message):
         self.print(message)
