@@ -20,11 +20,8 @@ Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020
 al. 2024 ("The N+ implementation details of RLHF with PPO"); names as TRL's. Differs from TRL on
 purpose: the score lands on the last real response token (TRL: one past it), every forward gets
 position_ids, sampling is a plain loop over softmax(z / T), and the loss is the token mean over the
-whole minibatch on all devices (TRL: a mean of micro-batch means).
-
-The first reading path, complete PPO-RLHF: options · math · π and V on padded batches · rollout and
-scoring · the PPO update · main. Behind it: checks · evaluation · replay · models, data and rewards
-· systems: distributed · memory-efficient log-probs · LoRA · checkpoints · logging.
+whole minibatch on all devices (TRL: a mean of micro-batch means). The first reading path, complete
+PPO-RLHF, ends with main; behind it, under banners: checks, evaluation, replay, loading, systems.
 """
 import asyncio
 import atexit
@@ -58,11 +55,9 @@ from typing import Literal, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 import tyro
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from transformers import DynamicCache, GenerationConfig
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -230,18 +225,6 @@ class Args:
     """seconds a collective waits for the other ranks before the run fails"""
 
 
-def derive_sizes(args, world_size):
-    """Batch sizes per rank (`local_`) and over all: rollout batch, minibatches, micro-batches."""
-    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    local_mini_batch_size = local_batch_size // args.num_mini_batches
-    batch_size = local_batch_size * world_size  # responses per update over all ranks
-    return SimpleNamespace(world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
-                           local_num_prompts=local_batch_size // args.num_generations,
-                           local_mini_batch_size=local_mini_batch_size,
-                           micro_batch_size=local_mini_batch_size // args.gradient_accumulation_steps,
-                           num_updates=args.total_episodes // batch_size)
-
-
 # -------------------------------------------------------------------------------------- math (pure)
 def masked_mean(x, mask):
     """Σ x·m / Σ m over the real (mask=True) entries; 0 if there are none."""
@@ -334,8 +317,7 @@ def baselined_scores(scores, num_generations, advantage_estimator):
 
 
 def per_token_rewards(scores, kl, response_mask, kl_coef):
-    """r_t = −β·KL_t, plus the sequence's score on its last real token; 0 after it. (B,), (B, T) ->
-    (B, T)."""
+    """r_t = −β·KL_t, plus the score on the last real token; 0 after it. (B,), (B, T) -> (B, T)."""
     rewards = torch.where(response_mask, -kl_coef * kl, 0.0)
     last = response_mask.sum(-1) - 1
     rewards[torch.arange(len(scores), device=scores.device), last] += scores
@@ -381,8 +363,7 @@ def ratio_stats(tokens, mask):
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value):
-    """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the fraction of tokens where the
-    clip is active."""
+    """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the share of clipped tokens."""
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), mask)
@@ -447,13 +428,11 @@ def state_values(value_model, query_responses, attention_mask, context_length):
 
 
 class PolicyAndValue(torch.nn.Module):
-    """The two trained models as one module: DDP then averages all their gradients in one pass of
-    buckets. Without a value model (value-free estimators), the policy alone."""
+    """The trained models as one module (DDP averages their gradients in one pass; no V: π)."""
 
     def __init__(self, policy, value_model, fused_head=False):
         super().__init__()
-        self.policy, self.value_model = policy, value_model
-        self.fused_head = fused_head  # log-probs from hidden states
+        self.policy, self.value_model, self.fused_head = policy, value_model, fused_head  # fused: hidden
 
     def forward(self, query_responses, attention_mask, context_length, temperature):
         """-> log π_θ(y_t|s_t), entropy and V(s_t), each (B, R)."""
@@ -479,11 +458,9 @@ def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
 
 def left_pad(sequences, pad_token_id):
     """Lists of token ids -> ids and attention mask (B, P), padded on the left."""
-    ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in sequences], batch_first=True,
-                       padding_value=pad_token_id, padding_side="left")
-    mask = pad_sequence([torch.ones(len(s), dtype=torch.bool) for s in sequences], batch_first=True,
-                        padding_value=False, padding_side="left")
-    return ids, mask
+    pad = torch.nn.utils.rnn.pad_sequence  # (sequences, batch_first, padding_value, padding_side)
+    ids = pad([torch.tensor(s, dtype=torch.long) for s in sequences], True, pad_token_id, "left")
+    return ids, pad([torch.ones(len(s), dtype=torch.bool) for s in sequences], True, False, "left")
 
 
 def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_ids, pad_token_id, sync_ranks=False,
@@ -491,7 +468,7 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
     """y_t ~ softmax(z_t / T) (T = 0: argmax) with a KV cache -> responses, log π_old(y_t|s_t)
     (B, L), pad and 0 after a stop id. sync_ranks: step until all ranks are done (FSDP)."""
     # exactly the policy we train (no top-k/top-p); T = 0 gets T = 1's log-probs; under no_grad
-    cache = {cache_keyword(policy): DynamicCache(config=policy.config)}  # its keyword: a version shim
+    cache = {cache_keyword(policy): transformers.DynamicCache(config=policy.config)}  # a version shim
     ids, mask = queries, query_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
@@ -543,8 +520,7 @@ def response_chunks(batch, chunk):
 
 
 def trainer_state(updates_done, sizes, args, prompts):
-    """What reward functions get as trainer_state (TRL's fields): updates done and in the run,
-    passes over the prompts."""
+    """TRL's trainer_state for reward functions: updates done, in the run, passes over prompts."""
     epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
     return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
 
@@ -565,8 +541,7 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
                                                                  args.temperature, models.ref_head)[0]
             if models.value_model is not None and not scores_only:
                 values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, context_length)
-            if rt.low_dtype and not scores_only:  # log π_old as the training forward computes it: the first ratio
-                # is then 1 (on CUDA, kernels picked by batch shape may differ in the last bits)
+            if rt.low_dtype and not scores_only:  # log π_old as training computes it: the first ρ is 1
                 logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask, context_length,
                                                          args.temperature, models.policy_head)[0]
             for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
@@ -596,9 +571,6 @@ def advantages_and_returns(rewards, values, mask, args):
     return advantages, returns
 
 
-TOKEN_KEYS = ("logprobs", "ref_logprobs", "values", "advantages", "returns", "weights")  # (B, R)
-
-
 def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
     """Phase 5: num_ppo_epochs passes over this rank's batch, a step per minibatch. -> stats (per
     micro-batch), stop_reason, optimizer_steps (those taken), train_tokens."""
@@ -616,12 +588,12 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
             micro_batches = mb_rows.split(sizes.micro_batch_size)
             for i, rows in enumerate(micro_batches):
                 L = lengths[rows].max().item()  # pay only for real tokens
-                mb = {k: batch[k][rows, :L] for k in TOKEN_KEYS if k in batch}
+                mb = {k: batch[k][rows, :L] for k in ("logprobs", "ref_logprobs", "values", "advantages",
+                                                      "returns", "weights") if k in batch}  # (b, L)
                 mb.update({"age": batch["age"][rows]} if "age" in batch else {})  # replay_batch's
                 mb["response_mask"] = batch["loss_mask"][rows, :L]  # the tokens in the loss
-                # the loss is the whole minibatch's on all ranks: a micro-batch's share of its
-                # tokens (token means) or responses, times world_size (DDP and FSDP average the
-                # ranks' gradients)
+                # the whole minibatch's loss on all ranks: this micro-batch's share of its tokens
+                # or responses, times world_size (DDP and FSDP average the ranks' gradients)
                 token_share = mb["response_mask"].sum() * rt.world_size / mb_tokens
                 response_share = mb["response_mask"].any(1).sum() * rt.world_size / mb_responses
                 policy_share = token_share if args.loss_agg == "token_mean" else response_share
@@ -707,9 +679,8 @@ def main(args: Args):
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     for update in range(start_update, sizes.num_updates):
         log.start_update()  # the clock of its phases
-        # each rank takes its own slice of the update's global batch, and its own seed (ints hash to
-        # themselves, so this is the same in every run): a resumed run continues exactly, with no
-        # RNG state to restore
+        # each rank its own slice of the global batch and its own seed (ints hash to themselves):
+        # a resumed run continues exactly, with no RNG state to restore
         rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed, rt.rank, rt.world_size)
         rows = rows.repeat_interleave(args.num_generations).tolist()  # a group: k rows
         random.seed(hash((args.seed, update, rt.rank)))
@@ -808,6 +779,18 @@ FLAG_RANGES = {
     "a finite number (or unset)": (lambda v: True, "missing_eos_penalty entropy_coef length_penalty"
                                    " overlong_penalty".split()),
 }
+
+
+def derive_sizes(args, world_size):
+    """Batch sizes per rank (`local_`) and over all: rollout batch, minibatches, micro-batches."""
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    local_mini_batch_size = local_batch_size // args.num_mini_batches
+    batch_size = local_batch_size * world_size  # responses per update over all ranks
+    return SimpleNamespace(world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
+                           local_num_prompts=local_batch_size // args.num_generations,
+                           local_mini_batch_size=local_mini_batch_size,
+                           micro_batch_size=local_mini_batch_size // args.gradient_accumulation_steps,
+                           num_updates=args.total_episodes // batch_size)
 
 
 def check_args(args):
@@ -1008,9 +991,9 @@ def resolve_stop_token_ids(args, tokenizer, path, config):
     ids = list(args.stop_token_id or [])
     if args.stop_token_id is None and args.stop_token == "eos":
         try:
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
+            eos = transformers.GenerationConfig.from_pretrained(path).eos_token_id
         except OSError:  # no generation_config.json
-            eos = GenerationConfig.from_model_config(config).eos_token_id
+            eos = transformers.GenerationConfig.from_model_config(config).eos_token_id
         ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])]
     ids = list(dict.fromkeys(i for i in ids if i is not None))  # once each
     vocab_size = getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)
