@@ -2010,7 +2010,8 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
         progress["replay"] = []
     if not args.resume:
         return 0, progress
-    logs = [log.path, log.samples_path] if rt.rank == 0 else []  # metrics.jsonl, samples.jsonl
+    names = ("metrics.jsonl", "samples.jsonl") if rt.rank == 0 else ()  # rank 0 writes them
+    logs = [os.path.join(output_dir, name) for name in names]
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
     candidates = all_ranks_objects((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
                                    if args.resume == "auto" else [args.resume])[0]
