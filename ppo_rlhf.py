@@ -408,17 +408,28 @@ def forward(model, input_ids, attention_mask, keep):
     return model(**forward_kwargs(input_ids, attention_mask), logits_to_keep=keep).logits
 
 
-LOGITS_BUDGET = 2**24  # float32 logits held at once (64 MiB); past it, log-probs go by chunks
+def logprobs_chunk_rows(vocab_size):
+    """Rows of (rows, V) float32 logits held at once: about 64 MiB (chunked_logprobs, exact_kl)."""
+    return max(1, 2**24 // vocab_size)
+
+
+def token_logprobs(logits, tokens, temperature):
+    """log π(token) = log_softmax(z)[token] = z_token − logsumexp(z) with z = logits / T, and the
+    entropy H = −Σ_v π_v·log π_v, float32. (..., V), (...) -> (...), (...)."""
+    z = logits.float() / temperature
+    lse = z.logsumexp(-1, keepdim=True)
+    log_softmax = z - lse  # log π over the vocabulary
+    return log_softmax.gather(-1, tokens[..., None]).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1)
 
 
 def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
-    """log π(y_t|s_t) and entropy at every response position (B, R): position context_length−1+t
-    predicts y_t. head: output_layer(policy) or None."""
+    """log π(y_t|s_t), entropy (B, R): position context_length−1+t predicts y_t; head or None."""
     responses = query_responses[:, context_length:]
     ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
-    if head is not None and responses.numel() * head.out_features > LOGITS_BUDGET:
-        return chunked_logprobs(last_hidden(policy, ids, mask, R), responses, temperature, head)
-    return chunked_logprobs(forward(policy, ids, mask, R), responses, temperature)
+    if responses.numel() <= logprobs_chunk_rows(policy.get_output_embeddings().weight.shape[0]):
+        return token_logprobs(forward(policy, ids, mask, R), responses, temperature)  # one chunk
+    x = forward(policy, ids, mask, R) if head is None else last_hidden(policy, ids, mask, R)
+    return chunked_logprobs(x, responses, temperature, head)  # memory-efficient, behind its banner
 
 
 def state_values(value_model, query_responses, attention_mask, context_length):
@@ -1066,7 +1077,6 @@ def exact_kl(models, batch, args, rt):
     n = logprobs_chunk_rows(models.policy.get_output_embeddings().weight.shape[0])  # rows of one (n, V)
     chunk = args.local_rollout_forward_batch_size if fused else max(1, n // mask.shape[1])  # sequences
     hidden_or_logits, kl = last_hidden if fused else forward, torch.zeros(mask.shape, device=mask.device)
-    layers = [(h.weight, h.bias) if fused else (None, None) for h in (head, ref_head)]  # chunk_logits's
     with rt.no_grad(), rt.autocast():
         for rows, L, ids, ids_mask in response_chunks(batch, chunk):
             ids, ids_mask, real = ids[:, :-1], ids_mask[:, :-1], mask[rows, :L]
@@ -1074,12 +1084,10 @@ def exact_kl(models, batch, args, rt):
             with models.reference():
                 x_ref = hidden_or_logits(models.ref_policy, ids, ids_mask, L)[real]
             kl_rows = []
-            for s in range(0, len(x), n):  # two (n, V) tensors, in place
-                logp = chunk_logits(x[s : s + n], *layers[0], T)
-                logp -= logp.logsumexp(-1, keepdim=True)
-                ref = chunk_logits(x_ref[s : s + n], *layers[1], T)
-                ref = ref.sub_(ref.logsumexp(-1, keepdim=True)).neg_().add_(logp)  # log π/π_ref
-                kl_rows.append(logp.exp_().mul_(ref).sum(-1))
+            for s in range(0, len(x), n):  # (n, V) logits at a time
+                logp = chunk_logits(x[s : s + n], head if fused else None, T).log_softmax(-1)
+                ref = chunk_logits(x_ref[s : s + n], ref_head if fused else None, T).log_softmax(-1)
+                kl_rows.append((logp.exp() * (logp - ref)).sum(-1))
             kl[rows, :L] = kl[rows, :L].masked_scatter(real, torch.cat(kl_rows))
     return kl.sum(1)
 
@@ -1745,79 +1753,22 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm):
 
 # ------------------------------ memory-efficient log-probs (systems: a first reading may skip this)
 def chunked_logprobs(x, tokens, temperature=1.0, head=None):
-    """(B, T, V) logits, or (B, T, H) hidden states and the output layer `head`, and tokens (B, T)
-    -> log π(token) and entropy H, (B, T), float32 and differentiable, in chunks (TokenLogprobs)."""
-    weight, bias = (None, None) if head is None else (head.weight, head.bias)
-    logprobs, entropy = TokenLogprobs.apply(x.flatten(0, 1), weight, bias, tokens.flatten(), temperature)
-    return logprobs.view(tokens.shape), entropy.view(tokens.shape)
+    """token_logprobs of (B, T, V) logits, or of (B, T, H) hidden states through the output layer
+    `head`, by chunks of rows recomputed in the backward pass (torch.utils.checkpoint): no (B·T, V)
+    tensor is ever whole, nor kept for backward."""
+    flat_x, flat_tokens = x.flatten(0, 1), tokens.flatten()
+    n = logprobs_chunk_rows(x.shape[-1] if head is None else head.out_features)
+
+    def chunk(x, tokens):
+        return token_logprobs(x if head is None else head(x), tokens, temperature)
+    parts = [torch.utils.checkpoint.checkpoint(chunk, flat_x[s : s + n], flat_tokens[s : s + n], use_reentrant=False)
+             for s in range(0, len(flat_x), n)]
+    return tuple(torch.cat(values).view(tokens.shape) for values in zip(*parts))
 
 
-def logprobs_chunk_rows(vocab_size):
-    """Rows per chunk so that one float32 chunk of logits is LOGITS_BUDGET."""
-    return max(1, LOGITS_BUDGET // vocab_size)
-
-
-def chunk_logits(x, weight, bias, temperature):
-    """One chunk's z / T in a new float32 tensor: x itself, or z = x·Wᵀ + b from hidden states x (N,
-    H). Callers work on it in place: one (chunk, V) tensor per chunk."""
-    z = x.to(torch.float32, copy=True) if weight is None else F.linear(x.to(weight.dtype), weight, bias).float()
-    return z.div_(temperature)
-
-
-class TokenLogprobs(torch.autograd.Function):
-    """log π(a) = z_a/T − logsumexp(z/T) and H = logsumexp(z/T) − Σ_v π_v·z_v/T in float32, by
-    chunks, from logits (N, V) or hidden states (N, H) and the output layer: no (N, V) tensor."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, tokens, temperature):  # x (N, V) or (N, H)
-        if weight is not None and torch.is_autocast_enabled(x.device.type):  # autocast's dtype
-            dtype = torch.get_autocast_dtype(x.device.type)
-            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        n, chunk = x.shape[0], logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
-        lse = torch.empty(n, dtype=torch.float32, device=x.device)
-        entropy, logprobs = torch.empty_like(lse), torch.empty_like(lse)
-        for s in range(0, n, chunk):
-            z = chunk_logits(x[s : s + chunk], weight, bias, temperature)
-            lse[s : s + chunk] = z.logsumexp(-1)
-            logprobs[s : s + chunk] = z.gather(-1, tokens[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
-            entropy[s : s + chunk] = lse[s : s + chunk] - (z - lse[s : s + chunk, None]).exp_().mul_(z).sum(-1)
-        ctx.save_for_backward(x, weight, bias, tokens, lse, entropy)
-        ctx.temperature = temperature
-        ctx.set_materialize_grads(False)  # h: None without entropy loss
-        return logprobs, entropy
-
-    # Backward computes each chunk's z once more. With g and h the gradients of log π(a) and H:
-    #   ∂/∂z = [g·(onehot(a) − π) − h·π·(log π + H)] / T;  ∂x = ∂z·W,  ∂W = Σ_chunks ∂zᵀ·x,  ∂b = Σ_rows ∂z
-    @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        x, weight, bias, tokens, lse, entropy = ctx.saved_tensors
-        grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs
-        grad_x = torch.empty_like(x)
-        # a frozen output layer (LoRA) gets no gradient: at a 150k vocabulary that is hundreds of
-        # MiB and a matmul
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[2] else None
-        chunk = logprobs_chunk_rows(x.shape[1] if weight is None else weight.shape[0])
-        for s in range(0, x.shape[0], chunk):
-            g, rows = grad_logprobs[s : s + chunk, None], slice(s, s + chunk)
-            logp = chunk_logits(x[rows], weight, bias, ctx.temperature).sub_(lse[rows, None])
-            if grad_entropy is None:  # in place: one (chunk, V) tensor
-                grad_z = logp.exp_().mul_(-g)
-            else:
-                probs, h = logp.exp(), grad_entropy[rows, None]
-                grad_z = logp.add_(entropy[rows, None]).mul_(h).add_(g).mul_(probs).neg_()
-            grad_z = grad_z.scatter_add_(-1, tokens[rows, None], g).div_(ctx.temperature)
-            if weight is None:
-                grad_x[rows] = grad_z
-                continue
-            grad_x[rows] = grad_z.to(weight.dtype) @ weight
-            if grad_w is not None and weight.dtype == torch.float32:  # in place
-                grad_w.addmm_(grad_z.T, x[rows].float())
-            elif grad_w is not None:
-                grad_w += (grad_z.to(weight.dtype).T @ x[rows].to(weight.dtype)).float()
-            if grad_b is not None:
-                grad_b += grad_z.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+def chunk_logits(x, head, temperature):
+    """One chunk's float32 z / T: x itself (logits), or z = head(x) from hidden states x (N, H)."""
+    return (x if head is None else head(x)).float() / temperature
 
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma-2/3, Cohere, Granite

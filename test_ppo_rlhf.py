@@ -366,7 +366,7 @@ def test_token_logprobs_from_hidden_states_match_the_full_logits(monkeypatch, bi
 
 @pytest.mark.parametrize("through_head", [False, True])
 def test_an_entropy_term_in_the_loss_gets_the_gradient_of_autograd_through_log_softmax(monkeypatch, through_head):
-    """An entropy bonus (loss −= c·H) added by a fork must train: TokenLogprobs' hand-written backward for H, alone and
+    """An entropy bonus (loss −= c·H) added by a fork must train: the chunked log-probs' gradient for H, alone and
     together with log π, equals autograd's through log_softmax in float64."""
     monkeypatch.setattr(P, "logprobs_chunk_rows", lambda vocab_size: 4)  # several chunks, the last one partial
     gen = torch.Generator().manual_seed(2)
