@@ -194,8 +194,10 @@ class Args:
     # --- optimisation
     learning_rate: float = 1e-3
     """AdamW learning rate (suits the toy task; real models want ~1e-6 to 3e-6)"""
-    anneal_lr: bool = True
-    """decay the learning rate linearly to 0 over the run"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    """the learning rate over the updates (transformers' get_scheduler): linear to 0, cosine, constant"""
+    warmup_ratio: float = 0.0
+    """share of the updates that warm the learning rate up from 0 (linear, cosine)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm of policy + value parameters"""
     # --- LoRA (needs `pip install peft`)
@@ -682,8 +684,9 @@ def main(args: Args):
     models, model = load_models(args, model_path, inputs, rt)  # model: policy and value as one, DDP or FSDP2
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-8,
                                   weight_decay=0.0, fused=rt.device.type in ("cpu", "cuda"))  # fp32 state
-    schedule = lambda u: 1.0 - u / sizes.num_updates if args.anneal_lr else 1.0  # noqa: E731
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    warmup = math.ceil(args.warmup_ratio * sizes.num_updates)  # the schedule steps once per update
+    lr_scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                              num_training_steps=sizes.num_updates)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 needs scaling
     log = Logger(args, output_dir, sizes, rt, inputs, models)
     start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
@@ -780,7 +783,7 @@ FLAG_RANGES = {
     ">= 0": (lambda v: v >= 0, "learning_rate kl_coef vf_coef save_every save_total_limit"
              " num_sample_generations lora_r eval_temperature overlong_buffer health_window"
              " replay_rounds".split()),
-    "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam"]),
+    "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam", "warmup_ratio"]),
     "> 0 (or unset)": (lambda v: v is None or v > 0, "target_kl adaptive_kl_target cliprange_high"
                        " score_clip".split()),
     "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
@@ -851,6 +854,8 @@ def check_args(args):
         fail("--replay_rounds N > 0 and --replay_correction naive|decoupled go together")
     if args.replay_weight_cap is not None and args.replay_correction != "decoupled":
         fail("--replay_weight_cap needs --replay_correction decoupled (it caps its weights)")
+    if args.lr_scheduler_type == "constant" and args.warmup_ratio:  # transformers' ignores warmup
+        fail("--warmup_ratio needs --lr_scheduler_type linear or cosine (constant has no warmup)")
     if args.adaptive_kl_target is not None and args.kl_coef == 0:
         fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
     if args.total_episodes < sizes.batch_size:

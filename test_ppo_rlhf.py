@@ -1559,10 +1559,17 @@ def test_a_text_too_long_for_a_reward_models_context_is_one_line(tiny):
     assert "\n" not in str(exc.value) and "context of 32" in str(exc.value)
 
 
-@pytest.mark.parametrize("kl_estimator,whiten_rewards,missing_eos_penalty,anneal_lr,target_kl",
-                         [("k1", False, None, True, None), ("k3", True, 0.7, False, 1e-9)])
+def test_the_learning_rate_follows_transformers_cosine_schedule_with_warmup(tiny, tmp_path):
+    """--lr_scheduler_type cosine --warmup_ratio 0.5 over 4 updates: ceil(0.5·4) = 2 updates warm up from 0,
+    then ½(1 + cos(π·(u − 2)/2)): the learning rate of updates 1-4 is 0, ½, 1, ½ of --learning_rate."""
+    P.main(run_args(tiny, tmp_path, total_episodes=32, lr_scheduler_type="cosine", warmup_ratio=0.5))
+    assert [m["lr"] / 1e-3 for m in read_metrics(tmp_path / "run")] == pytest.approx([0.0, 0.5, 1.0, 0.5])
+
+
+@pytest.mark.parametrize("kl_estimator,whiten_rewards,missing_eos_penalty,lr_scheduler_type,target_kl",
+                         [("k1", False, None, "linear", None), ("k3", True, 0.7, "constant", 1e-9)])
 def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypatch, kl_estimator, whiten_rewards,
-                                                       missing_eos_penalty, anneal_lr, target_kl):
+                                                       missing_eos_penalty, lr_scheduler_type, target_kl):
     """What main() hands to the PPO update, checked phase by phase against naive per-sample references: 1. log π_old
     is the policy's own (teacher-forced at T) and responses end at the stop token; 2. log π_ref is the reference's,
     V the value model's, the score the reward function's minus the EOS penalty; 3. r_t = −β·KL_t + score on the last
@@ -1572,14 +1579,16 @@ def test_the_loop_wires_its_phases_as_the_formulas_say(tiny, tmp_path, monkeypat
     calls = spy_on_updates(monkeypatch)
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"], total_episodes=24,
                     stop_token_id=5, temperature=0.7, kl_coef=0.1, gamma=0.9, lam=0.8, kl_estimator=kl_estimator,
-                    whiten_rewards=whiten_rewards, missing_eos_penalty=missing_eos_penalty, anneal_lr=anneal_lr,
+                    whiten_rewards=whiten_rewards, missing_eos_penalty=missing_eos_penalty,
+                    lr_scheduler_type=lr_scheduler_type,
                     target_kl=target_kl)
     P.main(args)
     metrics, ref = read_metrics(args.output_dir), loaded(tiny, "gpt2")
     tokenizer = AutoTokenizer.from_pretrained(tiny["gpt2"])
     assert len(calls) == len(metrics) == 3
     for (batch, logprobs, values, model), m in zip(calls, metrics):
-        assert model.fused_head and m["lr"] == pytest.approx(1e-3 * (1 - (m["update"] - 1) / 3 if anneal_lr else 1))
+        linear = lr_scheduler_type == "linear"  # (N − u)/N over the N = 3 updates
+        assert model.fused_head and m["lr"] == pytest.approx(1e-3 * ((3 - (m["update"] - 1)) / 3 if linear else 1))
         # target_kl: the first step is at ρ = 1 (approx KL 0), the second minibatch's approx KL exceeds 1e-9: stop
         assert m["policy/epochs"] == (1.0 if target_kl else 2.0)
         mask, start, lengths = batch["response_mask"], batch["context_length"], batch["lengths"].tolist()
@@ -1951,7 +1960,8 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "entropy_coef": float("inf"), "lora_r": -1, "lora_alpha": 0.0, "eval_temperature": -0.5,
                 "score_clip": 0.0, "overlong_buffer": -1, "length_penalty": float("nan"),
                 "overlong_penalty": float("inf"), "health_window": -1, "replay_rounds": -1,
-                "replay_weight_cap": 0.5, "max_prompt_length": 0}
+                "replay_weight_cap": 0.5, "max_prompt_length": 0,
+                "warmup_ratio": 1.5}
 
 
 def file_case(case, tiny, tmp_path):
@@ -2054,6 +2064,7 @@ def file_case(case, tiny, tmp_path):
         "a replay correction without replay": (dict(replay_correction="naive"), "--replay_rounds"),
         "a weight cap without decoupled replay": (dict(replay_rounds=1, replay_correction="naive",
                                                        replay_weight_cap=3.0), "--replay_weight_cap"),
+        "warmup with a constant schedule": (dict(lr_scheduler_type="constant", warmup_ratio=0.1), "--warmup_ratio"),
     }[case]
 
 
@@ -2080,7 +2091,7 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "a replay correction without replay", "a weight cap without decoupled replay",
               "bad jsonl after a blank line", "a response as long as the context",
               "a prompt length and response past the context", "a hub eval dataset on the training split",
-              "a tokenizer past the model's vocabulary"]
+              "a tokenizer past the model's vocabulary", "warmup with a constant schedule"]
 
 
 MUST_SAY = {"a tokenizer past the model's vocabulary": "gives prompt ids past the model's vocabulary of 40",
