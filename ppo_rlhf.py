@@ -848,8 +848,7 @@ def check_args(args):
     if (args.merge_lora or args.lora_target_modules) and not args.lora_r:
         fail("--merge_lora and --lora_target_modules need --lora_r > 0")
     if args.overlong_buffer > args.response_length:
-        fail(f"--overlong_buffer {args.overlong_buffer} is longer than --response_length "
-             f"{args.response_length}")
+        fail(f"--overlong_buffer {args.overlong_buffer} is over --response_length {args.response_length}")
     if bool(args.replay_rounds) != (args.replay_correction is not None):
         fail("--replay_rounds N > 0 and --replay_correction naive|decoupled go together")
     if args.replay_weight_cap is not None and args.replay_correction != "decoupled":
