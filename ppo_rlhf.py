@@ -20,8 +20,7 @@ Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020
 al. 2024 ("The N+ implementation details of RLHF with PPO"); names as TRL's. Differs from TRL on
 purpose: the score lands on the last real response token (TRL: one past it), every forward gets
 position_ids, sampling is a plain loop over softmax(z / T), and the loss is the token mean over the
-whole minibatch on all devices (TRL: a mean of micro-batch means). The first reading path, complete
-PPO-RLHF, ends with main; behind it, under banners: checks, evaluation, replay, loading, systems.
+whole minibatch on all devices (TRL: a mean of micro-batch means). A first reading stops after main.
 """
 import asyncio
 import atexit
@@ -419,8 +418,7 @@ def token_logprobs(logits, tokens, temperature):
     """log π(token) = log_softmax(z)[token] = z_token − logsumexp(z) with z = logits / T, and the
     entropy H = −Σ_v π_v·log π_v, float32. (..., V), (...) -> (...), (...)."""
     z = logits.float() / temperature
-    lse = z.logsumexp(-1, keepdim=True)
-    log_softmax = z - lse  # log π over the vocabulary
+    log_softmax = z - z.logsumexp(-1, keepdim=True)  # log π over the vocabulary
     return log_softmax.gather(-1, tokens[..., None]).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1)
 
 
@@ -447,14 +445,13 @@ class PolicyAndValue(torch.nn.Module):
         super().__init__()
         self.policy, self.value_model, self.fused_head = policy, value_model, fused_head  # fused: hidden
 
-    def forward(self, query_responses, attention_mask, context_length, temperature):
-        """-> log π_θ(y_t|s_t), entropy and V(s_t), each (B, R)."""
+    def forward(self, query_responses, attention_mask, context_length, temperature):  # -> (B, R) x 3
         head = self.policy.get_output_embeddings() if self.fused_head else None
         logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length,
-                                              temperature, head)
-        if self.value_model is None:  # a value-free advantage estimator
-            return logprobs, entropy, None
-        return logprobs, entropy, state_values(self.value_model, query_responses, attention_mask, context_length)
+                                              temperature, head)  # log π_θ(y_t|s_t), its entropy
+        values = None if self.value_model is None else state_values(self.value_model, query_responses,
+                                                                    attention_mask, context_length)  # V(s_t)
+        return logprobs, entropy, values  # values None: a value-free advantage estimator
 
 
 # ------------------------------------------------------------------------------ rollout and scoring
@@ -482,8 +479,7 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
     (B, L), pad and 0 after a stop id. sync_ranks: step until all ranks are done (FSDP)."""
     # exactly the policy we train (no top-k/top-p); T = 0 gets T = 1's log-probs; under no_grad
     cache = {cache_keyword(policy): transformers.DynamicCache(config=policy.config)}  # a version shim
-    ids, mask = queries, query_mask
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, positions = queries, query_mask, (query_mask.cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens, logprobs = [], []
     for _ in range(max_new_tokens):
@@ -642,8 +638,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
             break
     optimizer.zero_grad(set_to_none=True)
     return SimpleNamespace(stats=stats, stop_reason=stop_reason, optimizer_steps=optimizer_steps,
-                           train_tokens=train_tokens,
-                           steps_per_epoch=len(lengths) // sizes.local_mini_batch_size)
+                           train_tokens=train_tokens, steps_per_epoch=len(lengths) // sizes.local_mini_batch_size)
 
 
 def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
@@ -684,9 +679,8 @@ def main(args: Args):
     models, model = load_models(args, model_path, inputs, rt)  # model: policy and value as one, DDP or FSDP2
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-8,
                                   weight_decay=0.0, fused=rt.device.type in ("cpu", "cuda"))  # fp32 state
-    warmup = math.ceil(args.warmup_ratio * sizes.num_updates)  # the schedule steps once per update
-    lr_scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                                              num_training_steps=sizes.num_updates)
+    warmup, steps = math.ceil(args.warmup_ratio * sizes.num_updates), sizes.num_updates  # one per update
+    lr_scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, warmup, steps)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 needs scaling
     log = Logger(args, output_dir, sizes, rt, inputs, models)
     start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
