@@ -234,9 +234,8 @@ def masked_mean(x, mask):
 
 def masked_var(x, mask):
     """Unbiased variance of the real entries."""
-    mean = masked_mean(x, mask)
     n = mask.sum()
-    return masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0 for one entry
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0 for one
 
 
 def masked_whiten(x, mask, mean, var, shift_mean=True):
@@ -303,10 +302,13 @@ def has_value_model(advantage_estimator):
     return advantage_estimator == "gae"
 
 
+UNGROUPED, GROUP_NORMALISED = ("gae", "reinforce_pp"), ("rloo", "grpo", "dr_grpo")  # the rest: whitened
+
+
 def baselined_scores(scores, num_generations, advantage_estimator):
     """s_i (B,) minus its group's baseline (k consecutive rows): rloo s_i − mean of the others; grpo
     (s_i − mean)/(std + 1e-4); dr_grpo, reinforce_pp_baseline s_i − mean; gae, reinforce_pp s_i."""
-    if advantage_estimator in ("gae", "reinforce_pp"):
+    if advantage_estimator in UNGROUPED:
         return scores
     groups = scores.view(-1, num_generations)  # (B/k, k)
     if advantage_estimator == "rloo":
@@ -575,7 +577,7 @@ def advantages_and_returns(rewards, values, mask, args):
     over the global batch except group baselines. (B, R) -> (B, R), (B, R)."""
     lam = args.lam if has_value_model(args.advantage_estimator) else 1.0
     advantages, returns = gae(rewards, values, mask, args.gamma, lam)
-    if args.advantage_estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
+    if args.advantage_estimator not in GROUP_NORMALISED:
         advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
     return advantages, returns
 
@@ -666,7 +668,6 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
 # --------------------------------------------------------- main: setup, then the loop in six phases
 def main(args: Args):
     sizes = agreed(check_args, args)  # a bad flag fails before loading
-    transformers.utils.logging.disable_progress_bar()  # no progress bars
     model_path, dataset, eval_dataset = builtin_task(args)  # before the process group
     rt = start_processes(args)  # torchrun: join the process group; device and precision
     output_dir = run_folder(args, rt)
@@ -674,7 +675,6 @@ def main(args: Args):
         return None
     inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # before models load
     prompts = inputs.prompts
-    random.seed(args.seed)
     torch.manual_seed(args.seed)  # a new value head: the same on all ranks
     models, model = load_models(args, model_path, inputs, rt)  # model: policy and value as one, DDP or FSDP2
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-8,
@@ -828,7 +828,7 @@ def check_args(args):
                               sizes.local_mini_batch_size, "gradient_accumulation_steps")):
         if size % getattr(args, flag):
             fail(f"{what} is not divisible by --{flag} {getattr(args, flag)}")
-    grouped = args.advantage_estimator in ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline")
+    grouped = args.advantage_estimator not in UNGROUPED
     if grouped and args.num_generations == 1:  # a group of one: nothing to compare
         fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one "
              "prompt: give --num_generations >= 2")
@@ -1603,6 +1603,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def start_processes(args):
     """Under torchrun (RANK, LOCAL_RANK and WORLD_SIZE set) join its process group. -> Runtime."""
+    transformers.utils.logging.disable_progress_bar()  # a quiet start
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if "RANK" in os.environ and not dist.is_initialized():
