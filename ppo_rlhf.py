@@ -1528,6 +1528,7 @@ def addition_reward(completion_ids, answer, **kwargs):
 def builtin_task(args):
     """-> paths of the policy, prompts, eval prompts (or None); `builtin` ones go in a temp folder
     per process (deleted at exit; a killed run's at the next start) before the process group."""
+    transformers.utils.logging.disable_progress_bar()  # a quiet start, before anything is written
     model_path, dataset = args.model_name_or_path, args.dataset
     eval_dataset = None if args.eval_dataset == "auto" else args.eval_dataset
     if "builtin" in (model_path, dataset):
@@ -1603,7 +1604,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def start_processes(args):
     """Under torchrun (RANK, LOCAL_RANK and WORLD_SIZE set) join its process group. -> Runtime."""
-    transformers.utils.logging.disable_progress_bar()  # a quiet start
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if "RANK" in os.environ and not dist.is_initialized():
