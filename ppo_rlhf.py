@@ -2035,7 +2035,7 @@ def count_bad_updates(bad_updates, stop_reason, update, log):
 def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models, log):
     """Every --save_every updates, and when a signal reached any rank (a collective): all a run
     needs to go on exactly, via .tmp; the newest --save_total_limit stay. -> whether to stop."""
-    stop = any(all_ranks_objects(STOP_SIGNALS))
+    stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
     if not (stop or args.save_every and update % args.save_every == 0):
         return False
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective
