@@ -864,9 +864,28 @@ def check_args(args):
 
 
 def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
-    """Every check that needs files but no weights (output, configs, prompts, rewards) -> tokenizer,
-    prompts, eval_prompts, reward_tokenizers, reward_fns, stop_token_ids, stored_dtypes."""
-    check_output(args, output_dir)
+    """Every check that needs files but no weights: output, configs, prompts, rewards."""
+    # the output folder: writable, no run in it unless resumed
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        fail(f"--output_dir {output_dir!r} is a file; give a folder")
+    parent = os.path.abspath(output_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        fail(f"--output_dir {output_dir!r} cannot be written ({parent!r} is not writable)")
+    if os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and not args.resume:
+        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto "
+             "(it continues the run, or with no checkpoint sets its metrics.jsonl aside and starts "
+             "over) or choose another --output_dir")
+    if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
+        fail(f"--resume {args.resume!r} is not a checkpoint (no state.pt); give one, or `auto`")
+    if args.track:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            fail("--track needs `pip install wandb`")
+    if args.lora_r:
+        import_peft("--lora_r")
     configs, reward_configs, stored_dtypes = check_configs(args, model_path)
     base = adapter_base(model_path)
     own_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
@@ -901,33 +920,8 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
                            stop_token_ids=stop_token_ids, stored_dtypes=stored_dtypes)
 
 
-def check_output(args, output_dir):
-    """The output folder (writable, no run in it unless resumed), the checkpoint, wandb, peft."""
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        fail(f"--output_dir {output_dir!r} is a file; give a folder")
-    parent = os.path.abspath(output_dir)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK):
-        fail(f"--output_dir {output_dir!r} cannot be written ({parent!r} is not writable)")
-    if os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and not args.resume:
-        fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto "
-             "(it continues the run, or with no checkpoint sets its metrics.jsonl aside and starts "
-             "over) or choose another --output_dir")
-    if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
-        fail(f"--resume {args.resume!r} is not a checkpoint (no state.pt); give one, or `auto`")
-    if args.track:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            fail("--track needs `pip install wandb`")
-    if args.lora_r:
-        import_peft("--lora_r")
-
-
 def check_configs(args, model_path):
-    """The models' configs (a reward model: a sequence classifier, 1 label) -> {flag: config},
-    {reward model path: config}, {path: its storage dtype}."""
+    """The models' configs (a reward model: a 1-label sequence classifier), storage dtypes."""
     configs, reward_configs, stored_dtypes = {}, {}, {}  # stored_dtypes: for --save_dtype auto
     for flag, path in {"model_name_or_path": model_path, "ref_model_path": args.ref_model_path,
                        "value_model_path": args.value_model_path}.items():
@@ -954,8 +948,7 @@ def check_configs(args, model_path):
 
 
 def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
-    """-> each reward model's own tokenizer (None: it reads the policy's ids), its context checked;
-    the reward functions [(function, its flag value, how it is called)]."""
+    """Each reward model's tokenizer (None: the policy's ids), context checked; the functions."""
     reward_tokenizers = []
     for path in args.reward_model_path or []:
         reward_tokenizer = from_pretrained(AutoTokenizer, path, "reward_model_path", args)
@@ -964,8 +957,14 @@ def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
         elif reward_tokenizer.pad_token is None:
             reward_tokenizer.pad_token = reward_tokenizer.eos_token
         reward_tokenizers.append(reward_tokenizer)
-        for prompts in prompt_sets.values():
-            check_reward_context(path, reward_configs[path], reward_tokenizer, prompts, args)
+        for prompts in prompt_sets.values():  # its context: the longest prompt, in its tokens
+            ids = prompts.ids if reward_tokenizer is None else [reward_tokenizer(
+                reward_text(reward_tokenizer, prompts, r, ""), add_special_tokens=m is None)["input_ids"]
+                for r, m in enumerate(prompts.messages)]
+            longest = max(map(len, ids))
+            check_context(f"--reward_model_path {path!r}", reward_configs[path], longest + args.response_length,
+                          f"a prompt of {longest} + --response_length {args.response_length}",
+                          "shorten the prompts (--max_prompt_length) or --response_length")
     reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
     if not reward_fns and not args.reward_model_path:  # the built-in prompts
         reward_fns = [(addition_reward, "addition_reward")]
@@ -977,8 +976,7 @@ def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
 
 
 def stored_dtype(path, config):
-    """The dtype a checkpoint is stored in: its config's (read before loading: loading rewrites it),
-    else its first tensor's. None if unknown."""
+    """A checkpoint's storage dtype: its config's, else its first tensor's (None: unknown)."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     folder = os.path.expanduser(path)
     if dtype is None and os.path.isdir(folder):
@@ -995,8 +993,7 @@ def stored_dtype(path, config):
 
 
 def resolve_stop_token_ids(args, tokenizer, path, config):
-    """The ids that end a response: --stop_token_id; with --stop_token eos, the tokenizer's EOS and
-    each eos_token_id of the policy's generation config (only that key is read); else none."""
+    """--stop_token_id, or with --stop_token eos the tokenizer's and generation config's EOS."""
     ids = list(args.stop_token_id or [])
     if args.stop_token_id is None and args.stop_token == "eos":
         try:
@@ -1018,31 +1015,15 @@ def resolve_stop_token_ids(args, tokenizer, path, config):
 
 
 def check_context(model, config, tokens, what, fix):
-    """The one length check: `tokens` of prompt + response must fit a model's context
-    (max_position_embeddings; none: any length fits)."""
+    """The one length check: prompt + response `tokens` must fit the model's context."""
     context = getattr(config, "max_position_embeddings", None)
     if context and tokens > context:
         fail(f"{model}: {what} is {tokens} tokens, more than its context of {context}; {fix}")
 
 
-def check_reward_context(path, config, reward_tokenizer, prompts, args):
-    """A reward model's context: its longest prompt (in the policy's tokens, or rendered by its own
-    tokenizer) + --response_length."""
-    if reward_tokenizer is None:
-        longest = max(len(ids) for ids in prompts.ids)
-    else:
-        longest = max(len(reward_tokenizer(reward_text(reward_tokenizer, prompts, r, ""),
-                                           add_special_tokens=prompts.messages[r] is None)["input_ids"])
-                      for r in range(len(prompts.texts)))
-    check_context(f"--reward_model_path {path!r}", config, longest + args.response_length,
-                  f"a prompt of {longest} + --response_length {args.response_length}",
-                  "shorten the prompts (--max_prompt_length) or --response_length")
-
-
 # -------------------------------------------------------------------------- the held-out evaluation
 def evaluate(models, prompts, update, args, rt, trainer_state):
-    """Held-out evaluation at --eval_temperature, with a random stream of its own. -> eval/ metrics
-    over all ranks (eval/kl: exact, per response), and this rank's samples."""
+    """Held-out evaluation, its own random stream -> eval/ metrics (all ranks), samples."""
     n = len(prompts.ids)
     per_rank = -(-n // rt.world_size)  # equal slices (FSDP): the last prompt fills them up
     slots = [rt.rank * per_rank + i for i in range(per_rank)]
@@ -1068,8 +1049,7 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
 
 
 def exact_kl(models, batch, args, rt):
-    """Σ_t Σ_v π_θ·(log π_θ − log π_ref) per response (B,) at --temperature, by chunks of logits: from
-    hidden states and the output layers, or (none usable: FSDP, a logit transform) from logits."""
+    """Σ_t Σ_v π_θ·(log π_θ − log π_ref) per response (B,), by chunks of logits."""
     mask, T, head, ref_head = batch["response_mask"], args.temperature, models.policy_head, models.ref_head
     fused = head is not None and ref_head is not None
     n = logprobs_chunk_rows(models.policy.get_output_embeddings().weight.shape[0])  # rows of one (n, V)
@@ -1099,8 +1079,7 @@ REPLAY_KEYS = ("query_responses", "attention_mask", "response_mask", "loss_mask"
 
 
 def replay_batch(progress, batch, update, models, args, rt):
-    """The rows this update trains on: the fresh batch and the last N in progress["replay"] (π_prox,
-    V and GAE of now for them), re-padded to one width; the fresh batch joins the buffer."""
+    """This update's rows: the fresh batch and the last N (π_prox, V, GAE of now), one width."""
     if not args.replay_rounds:
         return batch
     fresh = dict({k: batch[k] for k in REPLAY_KEYS}, update=update,
@@ -1144,14 +1123,12 @@ def replay_batch(progress, batch, update, models, args, rt):
 
 
 def decoupled_weights(prox_logprobs, behaviour_logprobs, cap):
-    """Decoupled PPO's token weight min(π_prox/μ, c) (B, T), μ the sampler, π_prox the clip's centre
-    (Hilton et al. 2021; the cap as AReaL, Fu et al. 2025): 1 on fresh tokens, where π_prox = μ."""
+    """Decoupled PPO's weight min(π_prox/μ, c) (Hilton et al. 2021; cap: AReaL)."""
     return (prox_logprobs - behaviour_logprobs).exp().clamp(max=cap)
 
 
 def prox_and_values(models, b, args, rt):
-    """log π(y_t|s_t) and V(s_t) of a stored batch's tokens with the models as they are now (no
-    grad; V 0 without a value model). (B, R) each."""
+    """log π(y_t|s_t), V(s_t) (B, R) of a stored batch, with the models of now."""
     c, pad = b["context_length"], ~b["response_mask"]
     prox, values = torch.zeros_like(b["logprobs"]), torch.zeros_like(b["logprobs"])
     with rt.no_grad(), rt.autocast():
@@ -1175,8 +1152,7 @@ def from_pretrained(cls, path, flag, args, **kwargs):
 
 
 def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, **kwargs):
-    """A model in `dtype` whatever its storage, dropout off (it would break π_old), one warning line
-    for missing or unused weights. new_head: a `score` head may be new (model.new_head)."""
+    """A model in `dtype`, dropout off (it would break π_old), one line for missing weights."""
     base = adapter_base(path, flag)
     if base:  # an adapter checkpoint (peft): its base model with the adapter merged in
         model = load_pretrained(cls, base, flag, args, dtype, new_head, **kwargs)
@@ -1210,8 +1186,7 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
 
 
 def cache_keyword(model):
-    """The keyword of the KV cache in model.forward: `cache` since transformers 5.24, else
-    `past_key_values` (under peft, the wrapped model's)."""
+    """The KV cache's keyword: `cache` (transformers >= 5.24) or `past_key_values`."""
     return "cache" if "cache" in inspect.signature(backbone(model).forward).parameters else "past_key_values"
 
 
@@ -1229,8 +1204,7 @@ def adapter_base(path, flag="model_name_or_path"):
 
 
 def load_models(args, model_path, inputs, rt):
-    """Every model, on rt.device, and the trained ones wrapped for training (wrap_for_training). Trained
-    weights (with LoRA: adapters, value head) fp32 whatever the storage; frozen ones in --dtype's."""
+    """Every model on rt.device, trained ones fp32 and wrapped (wrap_for_training)."""
     frozen_dtype = rt.low_dtype or torch.float32
     dtype = frozen_dtype if args.lora_r else torch.float32  # of trained models (LoRA: frozen)
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args, dtype)
@@ -1250,7 +1224,10 @@ def load_models(args, model_path, inputs, rt):
         reward_models.append((reward_model.requires_grad_(False).eval().to(rt.device, frozen_dtype), reward_tokenizer))
     value_model, value_source, value_path = load_value_model(args, model_path, inputs, dtype, rt)
     paths = {"policy": model_path, "value_model": value_path}
-    base_paths = {k: stable_path(args, p, model_path) for k, p in paths.items() if p}
+    # a path that still holds the base weights after the run (not the built-in task's temp folder,
+    # nor a merged adapter); else None, and a LoRA run saves them beside its adapter
+    base_paths = {k: None if args.model_name_or_path == "builtin" and p == model_path or adapter_base(p) else p
+                  for k, p in paths.items() if p}
     source_dtypes = {k: inputs.stored_dtypes[adapter_base(p) or p] for k, p in paths.items() if p}
     num_sources = len(reward_models) + len(inputs.reward_fns)
     policy.to(rt.device)
@@ -1277,8 +1254,7 @@ def load_models(args, model_path, inputs, rt):
 
 
 def load_value_model(args, model_path, inputs, dtype, rt):
-    """The value model (trained, fp32), where it came from, its path; none without GAE. It starts
-    from the (first) reward model if that shares the policy's vocabulary, else from the policy."""
+    """The value model (fp32), where it came from, its path; none without GAE."""
     if not has_value_model(args.advantage_estimator):
         return None, f"no value model (--advantage_estimator {args.advantage_estimator})", None
     shared = inputs.reward_tokenizers[:1] == [None]  # reward model 1 reads the policy's ids
@@ -1296,8 +1272,7 @@ def load_value_model(args, model_path, inputs, dtype, rt):
 
 
 def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
-    """-> texts, token ids, chat messages (None: plain text), the rows' other fields ({name: a value per
-    row, None where absent}), and how many over-long prompts were filtered and truncated (--overlong_prompts)."""
+    """-> texts, ids, chat messages, the rows' other fields, over-long counts."""
     split = args.dataset_train_split if flag == "dataset" else args.dataset_test_split
     rows, lines = read_prompts(dataset, split, flag)
     texts, ids, messages = render_prompts([row.get("prompt", row.get("messages")) for row in rows], tokenizer, flag)
@@ -1331,8 +1306,7 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
 
 
 def read_prompts(dataset, split, flag="dataset"):
-    """-> the dataset's rows, each a dict with a `prompt` (a string, or chat messages as in TRL) or
-    `messages` (chat messages) and its other fields (a .txt file's have none); a file's their line numbers."""
+    """-> the rows (a `prompt` or `messages`, other fields), a file's line numbers."""
     if dataset.endswith((".txt", ".jsonl")):
         try:
             with open(dataset, encoding="utf-8") as f:
@@ -1364,8 +1338,7 @@ def read_prompts(dataset, split, flag="dataset"):
 
 
 def render_prompts(rows, tokenizer, flag="dataset"):
-    """Chat messages go through the tokenizer's chat template (a trailing assistant turn is
-    dropped). -> prompt texts, their token ids, and the messages (None for plain text)."""
+    """Chat rows through the chat template -> texts, ids, messages (None: plain)."""
     messages = [None if isinstance(r, str) else r[:-1] if r and r[-1].get("role") == "assistant" else r for r in rows]
     if tokenizer.chat_template is None and any(m is not None for m in messages):
         fail(f"--{flag} has chat rows (`messages`, or a `prompt` of messages) but the policy's tokenizer has no "
@@ -1377,8 +1350,7 @@ def render_prompts(rows, tokenizer, flag="dataset"):
 
 
 def load_reward_fn(spec):
-    """`module:function` (a module from the current folder first, as `python -m` would find it, then
-    the script's and the installed ones) or `file.py:function` (a path) -> the function."""
+    """`module:function` (the current folder first) or `file.py:function` -> it."""
     module, _, name = spec.rpartition(":")
     if not (module and name):
         fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
@@ -1399,8 +1371,7 @@ POSITIONAL = "positional"  # (prompts, completions), as reward functions were ca
 
 
 def reward_call(fn, spec, fields):
-    """How to call a reward function, from its signature: None (**kwargs), the names it asks for, or
-    POSITIONAL ((prompts, completions)). fields: {flag: its rows' field names}; else one line."""
+    """How to call a reward function: None (**kwargs), the names it asks, or POSITIONAL."""
     params = inspect.signature(fn).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     required = {p.name: p.kind for p in params
@@ -1431,8 +1402,7 @@ def reward_call(fn, spec, fields):
 
 
 def text_scores(models, rm_scores, prompts, rows, completions, completion_ids, trainer_state, chunk, rt):
-    """Every source's scores (B, S), reward models first: rm_scores (those that read the policy's
-    token ids; the others score the text here, chunk rows at a time), then the reward functions."""
+    """Every source's scores (B, S): reward models (text ones here), then functions."""
     with rt.no_grad(), rt.autocast():
         for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
             if reward_tokenizer is not None:  # its own tokenizer: it reads the text
@@ -1444,8 +1414,7 @@ def text_scores(models, rm_scores, prompts, rows, completions, completion_ids, t
 
 
 def reward_function_scores(models, prompts, rows, completions, completion_ids, trainer_state):
-    """Each reward function's scores of the completions to prompts[rows] -> (B, F), NaN where it
-    gave None; TRL's arguments and the rows' fields. A failure is one line."""
+    """Each reward function's scores (B, F), NaN where it gave None."""
     chat = [prompts.messages[r] is not None for r in rows]
     given = dict(prompts=[prompts.messages[r] if c else prompts.texts[r] for r, c in zip(rows, chat)],
                  completions=[[{"role": "assistant", "content": t}] if c else t for t, c in zip(completions, chat)],
@@ -1470,8 +1439,7 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
 
 
 def check_scores(scores, n, source):
-    """A reward function's output -> float32 (n,), NaN where it gave None, or one line. A score is a
-    numbers.Real (float, int, bool as 1/0, numpy's scalars) or a 0-d tensor; a string is refused."""
+    """A reward function's output -> float32 (n,), NaN for None, or one line."""
     try:
         scores = list(scores)
     except TypeError:
@@ -1490,8 +1458,7 @@ def check_scores(scores, n, source):
 
 
 def reward_text(reward_tokenizer, prompts, r, completion):
-    """Prompt r + completion as a reward model with its own tokenizer reads it: a chat prompt
-    through its chat template, if it has one."""
+    """Prompt r + completion as text: a chat prompt through its chat template."""
     if prompts.messages[r] is not None and reward_tokenizer.chat_template:
         turns = prompts.messages[r] + [{"role": "assistant", "content": completion}]
         return reward_tokenizer.apply_chat_template(turns, tokenize=False)
@@ -1499,8 +1466,7 @@ def reward_text(reward_tokenizer, prompts, r, completion):
 
 
 def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
-    """Scores (B,) of a reward model with its own tokenizer, on the text (reward_text): a decoder's
-    `score` head at the last real token; an encoder pools by itself."""
+    """A reward model's scores (B,) from text in its own tokenizer."""
     enc = reward_tokenizer([reward_text(reward_tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
                            padding=True, return_tensors="pt", add_special_tokens=prompts.messages[rows[0]] is None)
     check_context(f"--reward_model_path {reward_model.name_or_path!r}", reward_model.config,
@@ -1518,16 +1484,14 @@ ADDITION_PARTIAL_CREDIT = 0.5
 
 
 def addition_reward(completion_ids, answer, **kwargs):
-    """The built-in reward from token ids and each row's `answer`: 1 for the sum then EOS, partial
-    credit for the sum then anything else, else 0 (random: the sum 1 in 24, then EOS 1 in ~600)."""
+    """The built-in reward: 1 for the sum then EOS, partial for the sum alone, else 0."""
     eos = ADDITION_WORDS.index("<eos>")
     return [0.0 if ids[:1] != [ADDITION_WORDS.index(a)] else 1.0 if ids[1:] == [eos]
             else ADDITION_PARTIAL_CREDIT for ids, a in zip(completion_ids, answer)]
 
 
 def builtin_task(args):
-    """-> paths of the policy, prompts, eval prompts (or None); `builtin` ones go in a temp folder
-    per process (deleted at exit; a killed run's at the next start) before the process group."""
+    """-> policy, prompts, eval prompts; `builtin` ones in a temp folder per process."""
     transformers.utils.logging.disable_progress_bar()  # a quiet start, before anything is written
     model_path, dataset = args.model_name_or_path, args.dataset
     eval_dataset = None if args.eval_dataset == "auto" else args.eval_dataset
@@ -1552,8 +1516,7 @@ def builtin_task(args):
 
 
 def build_addition_task(folder, seed, held_out=True):
-    """The built-in task in `folder`: a tiny random Llama, a word-level tokenizer, the 100 sums `a +
-    b =` with their `answer` (20 held out). -> model, prompts, eval prompts (or None)."""
+    """The built-in task: a tiny random Llama, a word tokenizer, the 100 sums a + b =."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -1633,8 +1596,7 @@ def all_ranks_objects(obj):
 
 
 def agreed(check, *args):
-    """check(*args) on every rank; if it fails on any, all stop and rank 0 prints the first failure
-    (an exception: as one line, so no rank waits). No collective inside check. -> its result."""
+    """check(*args) on every rank; if it fails on any, all stop with its first failure."""
     try:
         result, error = check(*args), None
     except SystemExit as e:
@@ -1656,8 +1618,7 @@ def one_line(exception):
 
 
 def leave_process_group():
-    """Free FSDP2's modules first (they hold the group in reference cycles): a group torn down at
-    exit can abort ("terminate called without an active exception")."""
+    """Free FSDP2's modules, then the group (torn down at exit it can abort)."""
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
@@ -1670,17 +1631,8 @@ def global_mean_var(x, mask):
     return mean, all_ranks_sum(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
 
 
-def reduce_over_ranks(averaged, summed, rt):
-    """All ranks' metrics in one all-reduce: `averaged` averaged, `summed` (counts) summed."""
-    values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device) for v in [*averaged.values(), *summed.values()]]
-    reduced = all_ranks_sum(torch.stack(values)).tolist()
-    return ({key: value / rt.world_size for key, value in zip(averaged, reduced)},
-            dict(zip(summed, reduced[len(averaged):])))
-
-
 def wrap_for_training(models, args, rt):
-    """The policy and value model as one PolicyAndValue module (gradient checkpointing if asked);
-    under torchrun DDP (whole models per rank) or FSDP2 (weights, gradients, AdamW over ranks)."""
+    """Policy and value as one PolicyAndValue; under torchrun DDP or FSDP2."""
     trained = [m for m in (models.policy, models.value_model) if m is not None]
     for model in trained if args.gradient_checkpointing else []:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24
@@ -1700,8 +1652,7 @@ def wrap_for_training(models, args, rt):
 
 
 def shard(model, frozen=False):
-    """FSDP2: each decoder block a unit gathered only while it runs, the rest a root unit (a `score`
-    head and its backbone: two); a frozen model's roots reshard after forward, not stay whole."""
+    """FSDP2: a unit per decoder block, then the root (a frozen one reshards after forward)."""
     from torch.distributed.fsdp import fully_shard
 
     for module in model.modules():
@@ -1713,8 +1664,7 @@ def shard(model, frozen=False):
 
 @contextmanager
 def gathered(model, enabled):
-    """FSDP2: gather a sharded model's weights once for many forwards (decoding would all-gather
-    every block at every token), then free them. Without FSDP: nothing."""
+    """FSDP2: gather a model's weights once for many forwards, then free them."""
     units = [m for m in model.modules() if hasattr(m, "unshard")] if enabled else []
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -1737,8 +1687,7 @@ def gradient_sync(model, sync):
 
 
 def optimizer_step(optimizer, scaler, params, max_grad_norm):
-    """Unscale (fp16), clip the global gradient norm, step, zero the gradients. -> the norm before
-    clipping, or None (no step) if not finite; under fp16 GradScaler skips such steps (norm inf)."""
+    """Unscale, clip the gradient norm, step, zero. -> the norm, None if not finite."""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
@@ -1752,9 +1701,7 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm):
 
 # ------------------------------ memory-efficient log-probs (systems: a first reading may skip this)
 def chunked_logprobs(x, tokens, temperature=1.0, head=None):
-    """token_logprobs of (B, T, V) logits, or of (B, T, H) hidden states through the output layer
-    `head`, by chunks of rows recomputed in the backward pass (torch.utils.checkpoint): no (B·T, V)
-    tensor is ever whole, nor kept for backward."""
+    """token_logprobs by chunks of rows, recomputed in backward: no whole (B·T, V)."""
     flat_x, flat_tokens = x.flatten(0, 1), tokens.flatten()
     n = logprobs_chunk_rows(x.shape[-1] if head is None else head.out_features)
 
@@ -1774,8 +1721,7 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling") 
 
 
 def output_layer(model):
-    """The output layer if the logits are exactly it on the last hidden state, else None: a config
-    key of a logit transform rules it out, and a probe with its output scaled 100x."""
+    """The output layer if the logits are exactly it on the last hidden state, else None."""
     head, config = model.get_output_embeddings(), model.config.get_text_config()
     if not isinstance(head, torch.nn.Linear) or any(getattr(config, k, None) not in (None, 1, 1.0)
                                                     for k in LOGIT_TRANSFORMS):
@@ -1807,16 +1753,8 @@ def add_lora(model, args, modules_to_save=None):
     return model
 
 
-def stable_path(args, path, model_path):
-    """path, if it still holds the model's base weights after the run, else None (a LoRA run then
-    saves them beside its adapter): not the built-in task's temp folder, a merged adapter."""
-    builtin = args.model_name_or_path == "builtin" and path == model_path
-    return None if builtin or adapter_base(path) else path
-
-
 def quietly(function, *args, **kwargs):
-    """function(*args, **kwargs) without its warnings: peft's are notices, not the user's to act on
-    (GPT-2's Conv1D layers get transposed adapters; transformers renamed a flag peft reads)."""
+    """function(*args, **kwargs) without its warnings (peft's notices)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return function(*args, **kwargs)
@@ -1850,8 +1788,7 @@ def full_state_dict(model, optimizer=None):
 
 
 def save_final(model, models, args, output_dir, rt, num_updates):
-    """The trained models as from_pretrained folders in --save_dtype (LoRA: fp32 adapters naming
-    their base; --merge_lora: policy_merged/), then complete.json. -> e.g. "policy and value model (fp32)"."""
+    """The trained models as from_pretrained folders in --save_dtype, then complete.json."""
     weights, written = full_state_dict(model), defaultdict(list)  # written: dtype -> what
     if rt.rank:  # after the collective, rank 0 writes
         return ""
@@ -1952,8 +1889,7 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
 
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
-    """--resume: load the newest checkpoint that loads (a damaged one: skipped with a warning,
-    never half-loaded), cut the logs back to it; with none, set a crashed run's aside."""
+    """--resume: load the newest checkpoint that loads, cut the logs back to it."""
     # the loop's state besides the weights: non-finite streak, β, score moments (count, mean, M2)
     progress = dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0))
     if args.replay_rounds:  # the last N batches
@@ -1996,8 +1932,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
 
 
 def run_folder(args, rt):
-    """--output_dir (default: default_output_dir), as rank 0 sees it, on every rank; None if --resume auto
-    finds there a run whose final save wrote complete.json: it says so, and what it saved."""
+    """--output_dir as rank 0 sees it; None if --resume auto finds a complete run."""
     output_dir, marker = args.output_dir or default_output_dir(args), None
     if args.resume == "auto" and os.path.isfile(os.path.join(output_dir, "complete.json")):
         with open(os.path.join(output_dir, "complete.json")) as f:
@@ -2010,8 +1945,7 @@ def run_folder(args, rt):
 
 
 def default_output_dir(args):
-    """runs/<exp_name>__<seed>__<unix time>; with --resume auto, the newest such folder of this
-    --exp_name and --seed that holds a checkpoint or a finished run (if any)."""
+    """runs/<exp_name>__<seed>__<unix time>, or with --resume auto the newest."""
     prefix = f"{args.exp_name}__{args.seed}__"
     if args.resume == "auto" and os.path.isdir("runs"):
         runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
@@ -2033,8 +1967,7 @@ def count_bad_updates(bad_updates, stop_reason, update, log):
 
 
 def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models, log):
-    """Every --save_every updates, and when a signal reached any rank (a collective): all a run
-    needs to go on exactly, via .tmp; the newest --save_total_limit stay. -> whether to stop."""
+    """Every --save_every updates, or after a signal: all a run needs. -> whether to stop."""
     stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
     if not (stop or args.save_every and update % args.save_every == 0):
         return False
@@ -2084,8 +2017,7 @@ def json_line(metrics):
 
 
 def say(*lines, file=None):
-    """print to file (stdout by default), flushed. A dead reader (EPIPE: `| tee` exited; EIO: the
-    terminal closed) must not end a run: the line is dropped, the stream's fd goes to os.devnull."""
+    """print, flushed; a dead reader (EPIPE, EIO) must not end a run: its fd goes to devnull."""
     file = file or sys.stdout  # sys.stdout now, not at import
     try:
         print(*lines, file=file, flush=True)
@@ -2097,8 +2029,7 @@ def say(*lines, file=None):
 
 @torch.no_grad()
 def update_stats(stats, mb, entropy, losses, tokens):
-    """Append one micro-batch's training statistics (TRL's names) to the lists in `stats`: losses,
-    entropy, and the ratio statistics of the tokens its loss used (policy_loss, ratio_stats)."""
+    """Append a micro-batch's losses, entropy and ratio statistics to `stats`."""
     mask = mb["response_mask"]
     for key, value in {**losses, **ratio_stats(tokens, mask), "policy/entropy_avg": masked_mean(entropy, mask)}.items():
         stats[key].append(value.detach().float())
@@ -2112,8 +2043,7 @@ def update_stats(stats, mb, entropy, losses, tokens):
 
 
 def reward_model_spread(source_scores, num_reward_models):
-    """The reward models' disagreement on each response (B,): the std (ddof 0) of their scores, the
-    first num_reward_models columns of source_scores (B, S). Gaming one moves where they differ."""
+    """The reward models' disagreement per response (B,): the std of their scores."""
     return source_scores[:, :num_reward_models].std(1, correction=0)
 
 
@@ -2123,8 +2053,7 @@ def explained_variance(residual_var, returns_var):
 
 
 def update_metrics(batch, trained, models, args, rt):
-    """One update's metrics under TRL's names: per-sequence sums over the batch, training statistics
-    over every micro-batch, all over all ranks. -> those, and all ranks' token counts."""
+    """One update's metrics under TRL's names, over all ranks; token counts."""
     mask, kl, scores, returns = batch["response_mask"], batch["kl"], batch["scores"], batch["returns"]
     stats = dict(trained.stats)
     replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
@@ -2158,7 +2087,9 @@ def update_metrics(batch, trained, models, args, rt):
         averaged["objective/rm_spread"] = reward_model_spread(source_scores, num_rms).mean()
     summed = {"val/num_eos_tokens": (~batch["truncated"]).sum(), "rollout": mask.sum(),
               "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
-    averaged, summed = reduce_over_ranks(averaged, summed, rt)
+    values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device) for v in [*averaged.values(), *summed.values()]]
+    values = all_ranks_sum(torch.stack(values)).tolist()  # one all-reduce: means of `averaged`, sums of counts
+    averaged, summed = {k: v / rt.world_size for k, v in zip(averaged, values)}, dict(zip(summed, values[len(averaged):]))
     averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
     if replay_sums:  # --replay_rounds: fresh tokens apart
         averaged.update(replay_stats(replay_sums, args.gradient_accumulation_steps),
@@ -2167,9 +2098,7 @@ def update_metrics(batch, trained, models, args, rt):
 
 
 def replay_stats(sums, micro_batches):
-    """Replay's statistics from update_stats' token counts, over all ranks: clip shares of fresh and
-    replayed tokens; first ratio, approx KL of the first minibatch's fresh ones (NaN: none; replayed
-    ones start at π_prox/μ)."""
+    """Replay's clip shares of fresh and replayed tokens, first ratio and approx KL."""
     keys = ("fresh", "replayed", "clipped_fresh", "clipped_replayed", "outside_fresh")
     first = [sums[f"replay/{k}"][:micro_batches].sum() for k in ("fresh", "ratio_fresh", "approxkl_fresh")]
     x = all_ranks_sum(torch.stack([sums[f"replay/{k}"].sum() for k in keys] + first).double()).tolist()
@@ -2180,8 +2109,7 @@ def replay_stats(sums, micro_batches):
 
 
 def health_hints(window, args, has_stop_token):
-    """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}: > 50% of
-    ratios out of the clip; KL up 50% (and 0.1) with no better score; >= 90% cut off."""
+    """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}."""
     hints, last, n = {}, window[-1], len(window)
     outside = last.get("replay/outside_clip_fresh", last.get("policy/ratio_outside_clip_avg", 0.0))
     if outside > 0.5:  # fresh tokens under replay; absent when no minibatch trained
@@ -2212,8 +2140,7 @@ def described(prompts):
 
 
 class Logger:
-    """Rank 0 prints a start line, a line per update (samples num_sample_generations times), hints
-    on stderr, and appends one JSON object per update to metrics.jsonl (and wandb with --track)."""
+    """Rank 0's lines on stdout, hints on stderr, metrics.jsonl (and wandb with --track)."""
 
     def __init__(self, args, output_dir, sizes, rt, inputs, models):
         self.args, self.sizes, self.rt, self.output_dir = args, sizes, rt, output_dir
@@ -2274,8 +2201,7 @@ class Logger:
         self.laps[name] = time.perf_counter() - self.start - sum(self.laps.values())
 
     def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples=()):
-        """One update into metrics.jsonl (with times, memory), a line on stdout, sometimes samples;
-        the evaluation's samples (rank 0's) into samples.jsonl, a few on stdout (and wandb)."""
+        """One update into metrics.jsonl, a line on stdout; samples into samples.jsonl."""
         t, update, elapsed = self.laps, update + 1, time.time() - self.start_time
         self.logged += 1
         peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.rt.device.type == "cuda"
