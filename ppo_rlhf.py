@@ -814,22 +814,22 @@ def check_args(args):
         if "list" in str(field.type) and isinstance(getattr(args, field.name), str):
             fail(f"--{field.name} takes a list: {field.name}=[{getattr(args, field.name)!r}]")
     num_sources = len(args.reward_model_path or []) + len(args.reward_fn or []) or 1  # 0: built-in
-    if args.reward_weights is not None and len(args.reward_weights) != num_sources:
-        fail(f"--reward_weights {args.reward_weights} does not give one weight per reward source "
-             f"({num_sources}: the reward models, then the reward functions)")
-    if args.reward_weights is not None and not all(map(math.isfinite, args.reward_weights)):
-        fail(f"--reward_weights {args.reward_weights}: every weight must be a finite number")
+    if args.reward_weights is not None:
+        if len(args.reward_weights) != num_sources:
+            fail(f"--reward_weights {args.reward_weights} does not give one weight per reward "
+                 f"source ({num_sources}: the reward models, then the reward functions)")
+        if not all(map(math.isfinite, args.reward_weights)):
+            fail(f"--reward_weights {args.reward_weights}: every weight must be a finite number")
     sizes = derive_sizes(args, int(os.environ.get("WORLD_SIZE", 1)))
-    rollout_batch = (f"rollout batch {sizes.local_batch_size} (--per_device_train_batch_size x "
-                     "--gradient_accumulation_steps)")
-    for what, size, flag in ((rollout_batch, sizes.local_batch_size, "num_mini_batches"),
-                             (rollout_batch, sizes.local_batch_size, "num_generations"),
-                             (f"minibatch {sizes.local_mini_batch_size}",
-                              sizes.local_mini_batch_size, "gradient_accumulation_steps")):
-        if size % getattr(args, flag):
-            fail(f"{what} is not divisible by --{flag} {getattr(args, flag)}")
-    grouped = args.advantage_estimator not in UNGROUPED
-    if grouped and args.num_generations == 1:  # a group of one: nothing to compare
+    for flag in ("num_mini_batches", "num_generations"):
+        if sizes.local_batch_size % getattr(args, flag):
+            fail(f"rollout batch {sizes.local_batch_size} (--per_device_train_batch_size x "
+                 f"--gradient_accumulation_steps) is not divisible by --{flag} "
+                 f"{getattr(args, flag)}")
+    if sizes.local_mini_batch_size % args.gradient_accumulation_steps:
+        fail(f"minibatch {sizes.local_mini_batch_size} is not divisible by "
+             f"--gradient_accumulation_steps {args.gradient_accumulation_steps}")
+    if args.advantage_estimator not in UNGROUPED and args.num_generations == 1:  # a group of one
         fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one "
              "prompt: give --num_generations >= 2")
     if args.value_model_path and not has_value_model(args.advantage_estimator):
@@ -886,17 +886,17 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
             fail("--track needs `pip install wandb`")
     if args.lora_r:
         import_peft("--lora_r")
-    configs, reward_configs, stored_dtypes = check_configs(args, model_path)
-    base = adapter_base(model_path)
+    policy_config, reward_configs, stored_dtypes = check_configs(args, model_path)
+    base_model = adapter_base(model_path) or model_path  # an adapter's base, else the model itself
     own_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
-    tokenizer_path = model_path if own_tokenizer else base or model_path  # else an adapter's base's
-    tokenizer = from_pretrained(AutoTokenizer, tokenizer_path, "model_name_or_path", args)
-    policy_config = configs["model_name_or_path"]
-    stop_token_ids = resolve_stop_token_ids(args, tokenizer, base or model_path, policy_config)
-    check_context(f"--model_name_or_path {model_path!r}", policy_config, (args.max_prompt_length or 1)
-                  + args.response_length, f"--max_prompt_length {args.max_prompt_length or 1} + --response_length "
-                  f"{args.response_length}", "lower --max_prompt_length or --response_length")
-    context = getattr(policy_config, "max_position_embeddings", None)
+    tokenizer = from_pretrained(AutoTokenizer, model_path if own_tokenizer else base_model,
+                                "model_name_or_path", args)
+    stop_token_ids = resolve_stop_token_ids(args, tokenizer, base_model, policy_config)
+    context = check_context(f"--model_name_or_path {model_path!r}", policy_config,
+                            (args.max_prompt_length or 1) + args.response_length,
+                            f"--max_prompt_length {args.max_prompt_length or 1} + "
+                            f"--response_length {args.response_length}",
+                            "lower --max_prompt_length or --response_length")
     if (args.eval_dataset == args.dataset and not args.dataset.endswith((".txt", ".jsonl"))
             and args.dataset_test_split == args.dataset_train_split):  # a hub dataset
         fail(f"--eval_dataset {args.eval_dataset!r} is --dataset with the same split "
@@ -921,7 +921,7 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
 
 
 def check_configs(args, model_path):
-    """The models' configs (a reward model: a 1-label sequence classifier), storage dtypes."""
+    """The policy's config, the reward models' (1-label sequence classifiers), storage dtypes."""
     configs, reward_configs, stored_dtypes = {}, {}, {}  # stored_dtypes: for --save_dtype auto
     for flag, path in {"model_name_or_path": model_path, "ref_model_path": args.ref_model_path,
                        "value_model_path": args.value_model_path}.items():
@@ -944,7 +944,7 @@ def check_configs(args, model_path):
     if args.dtype == "fp16" and bf16_stored and int(os.environ.get("RANK", 0)) == 0:
         say(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype "
             "fp16 can overflow where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
-    return configs, reward_configs, stored_dtypes
+    return configs["model_name_or_path"], reward_configs, stored_dtypes
 
 
 def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
@@ -977,7 +977,7 @@ def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
 
 def stored_dtype(path, config):
     """A checkpoint's storage dtype: its config's, else its first tensor's (None: unknown)."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(config, "dtype", None)  # hub configs with `torch_dtype` read as dtype too
     folder = os.path.expanduser(path)
     if dtype is None and os.path.isdir(folder):
         files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
@@ -994,7 +994,7 @@ def stored_dtype(path, config):
 
 def resolve_stop_token_ids(args, tokenizer, path, config):
     """--stop_token_id, or with --stop_token eos the tokenizer's and generation config's EOS."""
-    ids = list(args.stop_token_id or [])
+    ids = args.stop_token_id or []
     if args.stop_token_id is None and args.stop_token == "eos":
         try:
             eos = transformers.GenerationConfig.from_pretrained(path).eos_token_id
@@ -1015,10 +1015,11 @@ def resolve_stop_token_ids(args, tokenizer, path, config):
 
 
 def check_context(model, config, tokens, what, fix):
-    """The one length check: prompt + response `tokens` must fit the model's context."""
+    """The one length check: prompt + response `tokens` must fit the model's context (-> it)."""
     context = getattr(config, "max_position_embeddings", None)
     if context and tokens > context:
         fail(f"{model}: {what} is {tokens} tokens, more than its context of {context}; {fix}")
+    return context
 
 
 # -------------------------------------------------------------------------- the held-out evaluation
@@ -1054,20 +1055,18 @@ def exact_kl(models, batch, args, rt):
     fused = head is not None and ref_head is not None
     n = logprobs_chunk_rows(models.policy.get_output_embeddings().weight.shape[0])  # rows of one (n, V)
     chunk = args.local_rollout_forward_batch_size if fused else max(1, n // mask.shape[1])  # sequences
-    hidden_or_logits, kl = last_hidden if fused else forward, torch.zeros(mask.shape, device=mask.device)
+    hidden_or_logits, kl = last_hidden if fused else forward, []  # per real token, in mask order
     with rt.no_grad(), rt.autocast():
         for rows, L, ids, ids_mask in response_chunks(batch, chunk):
             ids, ids_mask, real = ids[:, :-1], ids_mask[:, :-1], mask[rows, :L]
             x = hidden_or_logits(models.policy, ids, ids_mask, L)[real]  # (N, H) or (N, V)
             with models.reference():
                 x_ref = hidden_or_logits(models.ref_policy, ids, ids_mask, L)[real]
-            kl_rows = []
-            for s in range(0, len(x), n):  # (n, V) logits at a time
-                logp = chunk_logits(x[s : s + n], head if fused else None, T).log_softmax(-1)
-                ref = chunk_logits(x_ref[s : s + n], ref_head if fused else None, T).log_softmax(-1)
-                kl_rows.append((logp.exp() * (logp - ref)).sum(-1))
-            kl[rows, :L] = kl[rows, :L].masked_scatter(real, torch.cat(kl_rows))
-    return kl.sum(1)
+            for x_n, x_ref_n in zip(x.split(n), x_ref.split(n)):  # (n, V) logits at a time
+                logp = chunk_logits(x_n, head if fused else None, T).log_softmax(-1)
+                ref = chunk_logits(x_ref_n, ref_head if fused else None, T).log_softmax(-1)
+                kl.append((logp.exp() * (logp - ref)).sum(-1))
+    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask, torch.cat(kl)).sum(1)
 
 
 # ------------------------------------------------------ replay: off-policy updates (--replay_rounds)
@@ -1082,8 +1081,7 @@ def replay_batch(progress, batch, update, models, args, rt):
     """This update's rows: the fresh batch and the last N (π_prox, V, GAE of now), one width."""
     if not args.replay_rounds:
         return batch
-    fresh = dict({k: batch[k] for k in REPLAY_KEYS}, update=update,
-                 context_length=batch["context_length"])
+    fresh = dict({k: batch[k] for k in (*REPLAY_KEYS, "context_length")}, update=update)
     old = progress["replay"]
     progress["replay"] = [*old, fresh][-args.replay_rounds:]
     parts = [dict(fresh, prox=batch["logprobs"], values=batch["values"])]  # π_prox = μ
@@ -1105,14 +1103,15 @@ def replay_batch(progress, batch, update, models, args, rt):
     advantages, train["returns"] = advantages_and_returns(train["rewards"], train["values"], mask, args)
     if has_value_model(args.advantage_estimator):  # with today's V; value-free rows keep their batch's advantages
         train["advantages"] = advantages
-    # how stale the rows are: the replayed share of tokens, mean age (fresh 0), k3 KL(μ‖π_prox) by
-    # age, π_prox/μ on replayed tokens (before the cap); each Σ x / Σ y over all ranks (0 / 0: NaN)
+    # how stale the rows are (k3: KL(μ‖π_prox); π_prox/μ before the cap), each Σ x·m / Σ m over all
+    # ranks (0 / 0: NaN)
     k3, weight, replayed = kl_estimate(mu, prox, "k3"), (prox - mu).exp(), mask & (age > 0)
-    by_age = [mask & (age == a) for a in range(1, args.replay_rounds + 1)]
-    ratios = {"replay/share": (replayed, mask), "replay/mean_age": (age * mask, mask),
-              **{f"replay/kl_age{a}": (k3 * m, m) for a, m in enumerate(by_age, 1)},
-              "replay/weight_mean": (weight * replayed, replayed)}
-    sums = all_ranks_sum(torch.stack([x.sum().double() for pair in ratios.values() for x in pair]))
+    ratios = {"replay/share": (replayed, mask), "replay/mean_age": (age, mask),
+              **{f"replay/kl_age{a}": (k3, mask & (age == a))
+                 for a in range(1, args.replay_rounds + 1)},
+              "replay/weight_mean": (weight, replayed)}
+    sums = all_ranks_sum(torch.stack([y.sum().double() for x, m in ratios.values()
+                                      for y in (x * m, m)]))
     weight_max = max(all_ranks_objects(torch.where(replayed, weight, -math.inf).max().item()))
     batch["replay_metrics"] = {**dict(zip(ratios, (sums[::2] / sums[1::2]).tolist())),
                                "replay/weight_max": weight_max}
@@ -1162,10 +1161,8 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)
-
-    def no_report(record):  # said below instead
-        return "LOAD REPORT" not in record.getMessage() and not record.getMessage().startswith("Some weights of")
-
+    # transformers' own report of missing and unused weights: said below instead, in one line each
+    no_report = lambda record: not re.search(r"^Some weights of|LOAD REPORT", record.getMessage())
     transformers_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
     transformers_log.addFilter(no_report)
     try:
@@ -1207,6 +1204,7 @@ def load_models(args, model_path, inputs, rt):
     """Every model on rt.device, trained ones fp32 and wrapped (wrap_for_training)."""
     frozen_dtype = rt.low_dtype or torch.float32
     dtype = frozen_dtype if args.lora_r else torch.float32  # of trained models (LoRA: frozen)
+    frozen = lambda model: model.requires_grad_(False).eval().to(rt.device, frozen_dtype)
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args, dtype)
     if args.lora_r:
         policy = add_lora(policy, args)
@@ -1214,14 +1212,13 @@ def load_models(args, model_path, inputs, rt):
     if args.kl_coef and args.lora_r:
         ref_policy = policy  # the same weights: score() switches the adapter off
     elif args.kl_coef:
-        ref_policy = (load_pretrained(AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args, frozen_dtype)
-                      if args.ref_model_path else copy.deepcopy(policy))
-        ref_policy.requires_grad_(False).eval().to(rt.device, frozen_dtype)
+        ref_policy = frozen(copy.deepcopy(policy) if not args.ref_model_path else load_pretrained(
+            AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args, frozen_dtype))
     reward_models = []  # (model, its tokenizer, or None if it reads the policy's token ids)
     for path, reward_tokenizer in zip(args.reward_model_path or [], inputs.reward_tokenizers):
         reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args,
                                        frozen_dtype)
-        reward_models.append((reward_model.requires_grad_(False).eval().to(rt.device, frozen_dtype), reward_tokenizer))
+        reward_models.append((frozen(reward_model), reward_tokenizer))
     value_model, value_source, value_path = load_value_model(args, model_path, inputs, dtype, rt)
     paths = {"policy": model_path, "value_model": value_path}
     # a path that still holds the base weights after the run (not the built-in task's temp folder,
@@ -1229,7 +1226,7 @@ def load_models(args, model_path, inputs, rt):
     base_paths = {k: None if args.model_name_or_path == "builtin" and p == model_path or adapter_base(p) else p
                   for k, p in paths.items() if p}
     source_dtypes = {k: inputs.stored_dtypes[adapter_base(p) or p] for k, p in paths.items() if p}
-    num_sources = len(reward_models) + len(inputs.reward_fns)
+    num_sources = len(reward_models + inputs.reward_fns)
     policy.to(rt.device)
     # log-probs straight from the hidden states where the model allows it; a sharded model's output
     # layer is only whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
@@ -1238,18 +1235,17 @@ def load_models(args, model_path, inputs, rt):
     if ref_policy not in (None, policy) and not (rt.fsdp and args.shard_frozen_models):
         ref_head = output_layer(ref_policy)
     tokenizer = inputs.tokenizer
-    pad_token_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
-                        if i is not None)  # any id will do: masks come from lengths
-    builtin_reward = [spec for _, spec, _ in inputs.reward_fns] == ["addition_reward"]
-    reference = policy.disable_adapter if args.lora_r else nullcontext  # around forwards of ref_policy
-    models = SimpleNamespace(tokenizer=tokenizer, pad_token_id=pad_token_id, reference=reference,
-                             stop_token_ids=inputs.stop_token_ids, policy=policy,
-                             ref_policy=ref_policy, value_model=value_model, value_source=value_source,
-                             reward_models=reward_models, reward_fns=inputs.reward_fns, builtin_reward=builtin_reward,
-                             reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
-                                                     device=rt.device),
-                             policy_head=policy_head, ref_head=ref_head, base_paths=base_paths,
-                             source_dtypes=source_dtypes)
+    models = SimpleNamespace(
+        tokenizer=tokenizer, policy=policy, ref_policy=ref_policy, value_model=value_model,
+        pad_token_id=next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
+                          if i is not None),  # any id will do: masks come from lengths
+        reference=policy.disable_adapter if args.lora_r else nullcontext,  # around ref_policy
+        stop_token_ids=inputs.stop_token_ids, value_source=value_source, ref_head=ref_head,
+        policy_head=policy_head, reward_models=reward_models, reward_fns=inputs.reward_fns,
+        builtin_reward=[spec for _, spec, _ in inputs.reward_fns] == ["addition_reward"],
+        reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
+                                    device=rt.device),
+        base_paths=base_paths, source_dtypes=source_dtypes)
     return models, wrap_for_training(models, args, rt)
 
 
@@ -1282,7 +1278,7 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     if [] in ids:
         fail(f"--{flag} {dataset!r}: {where(ids.index([]))} is empty after tokenization")
     limit = args.max_prompt_length or (context and context - args.response_length)  # None: no limit
-    over = [i for i in range(len(ids)) if limit and len(ids[i]) > limit]
+    over = [i for i, prompt in enumerate(ids) if limit and len(prompt) > limit]
     if over and args.overlong_prompts == "error":
         default = f" (context {context} minus --response_length {args.response_length})"
         fail(f"--{flag} {dataset!r}: {where(over[0])} has {len(ids[over[0]])} tokens, the first of {len(over)} longer "
@@ -1298,14 +1294,14 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
         fail(f"--{flag} {dataset!r}: all {len(ids)} prompts are longer than --max_prompt_length {limit}, and "
              f"--overlong_prompts {args.overlong_prompts} leaves none")
     texts, ids, messages, rows = ([x[i] for i in kept] for x in (texts, ids, messages, rows))
-    not_passed = ("prompt", "completion", "completion_ids", "messages")  # TRL passes on the rest
+    not_passed = "prompt completion completion_ids messages".split()  # TRL passes on the rest
     names = dict.fromkeys(k for row in rows for k in row if k not in not_passed)  # once each
     return SimpleNamespace(texts=texts, ids=ids, messages=messages,
                            fields={name: [row.get(name) for row in rows] for name in names},
                            filtered=len(dropped), truncated=len(truncated))
 
 
-def read_prompts(dataset, split, flag="dataset"):
+def read_prompts(dataset, split, flag):
     """-> the rows (a `prompt` or `messages`, other fields), a file's line numbers."""
     if dataset.endswith((".txt", ".jsonl")):
         try:
@@ -1316,11 +1312,12 @@ def read_prompts(dataset, split, flag="dataset"):
         rows = []
         for n, line in lines.items():
             try:
-                rows.append({"prompt": line} if dataset.endswith(".txt") else json.loads(line))
-                if not isinstance(rows[-1].get("prompt", rows[-1].get("messages")), (str, list)):
+                row = {"prompt": line} if dataset.endswith(".txt") else json.loads(line)
+                if not isinstance(row.get("prompt", row.get("messages")), (str, list)):
                     raise ValueError
             except (ValueError, AttributeError):
                 fail(f"--{flag} {dataset!r} line {n}: expected a JSON object with a `prompt` or `messages` field")
+            rows.append(row)
         return rows, list(lines)
     if os.path.exists(dataset):
         fail(f"--{flag} {dataset!r}: use a .txt or .jsonl file")
@@ -1332,7 +1329,7 @@ def read_prompts(dataset, split, flag="dataset"):
         data = datasets.load_dataset(dataset, split=split)
     except Exception as e:  # datasets raises many kinds; all mean this flag is wrong
         fail(f"--{flag} {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
-    if not {"prompt", "messages"} & set(data.column_names):
+    if {"prompt", "messages"}.isdisjoint(data.column_names):
         fail(f"--{flag} {dataset!r} has no `prompt` or `messages` column")
     return list(data), None
 
@@ -1366,21 +1363,19 @@ def load_reward_fn(spec):
     return namespace[name]
 
 
-REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")  # TRL's keywords
-POSITIONAL = "positional"  # (prompts, completions), as reward functions were called before keywords
+REWARD_ARGUMENTS = "prompts completions completion_ids trainer_state".split()  # TRL's keywords
 
 
 def reward_call(fn, spec, fields):
-    """How to call a reward function: None (**kwargs), the names it asks, or POSITIONAL."""
+    """How to call a reward function: None (**kwargs), or the names it asks for."""
     params = inspect.signature(fn).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = {p.name: p.kind for p in params
-                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    required = {p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     trl_only = sorted(named & {"log_extra", "log_metric", "environments"})  # this script lacks them
     if trl_only:
         fail(f"--reward_fn {spec!r} asks for {trl_only}, which only TRL's trainers give")
     for flag, names in fields.items():
-        clash = set(names) & {"prompts", "completions", "trainer_state"}
+        clash = set(names) & set(REWARD_ARGUMENTS)  # completion_ids is never a field (load_prompts)
         if clash:
             fail(f"--{flag} has a field named {sorted(clash)[0]!r}, as a reward function's argument; rename it")
     asked = named & set(REWARD_ARGUMENTS).union(*fields.values())
@@ -1388,13 +1383,11 @@ def reward_call(fn, spec, fields):
         how = None
     elif asked:
         how = tuple(sorted(asked))
-    elif len(required) == 2 and inspect.Parameter.KEYWORD_ONLY not in required.values():
-        return POSITIONAL
     else:
         fail(f"--reward_fn {spec!r} takes {inspect.signature(fn)}: give it (prompts, completions), or keywords "
              f"({', '.join(REWARD_ARGUMENTS)}, a field of the rows, **kwargs)")
     for flag, names in fields.items():
-        missing = sorted(required.keys() - {*REWARD_ARGUMENTS, *names})
+        missing = sorted(required - {*REWARD_ARGUMENTS, *names})
         if missing:
             fail(f"--reward_fn {spec!r} needs {missing[0]!r}, which the rows of --{flag} do not "
                  f"have (their fields: {sorted(names) or 'none'})")
@@ -1423,8 +1416,7 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
     columns = []
     for fn, spec, how in models.reward_fns:
         try:
-            out = (fn([prompts.texts[r] for r in rows], completions) if how == POSITIONAL
-                   else fn(**{k: v for k, v in given.items() if how is None or k in how}))
+            out = fn(**{k: v for k, v in given.items() if how is None or k in how})
             if inspect.isawaitable(out):  # an async def function
                 out = asyncio.run(out)
         except Exception as e:  # noqa: BLE001 (the user's code: one line, with where it was raised)
@@ -1451,7 +1443,7 @@ def check_scores(scores, n, source):
             fail(f"{source} returned a {type(s).__name__} ({s!r:.40}) for completion {i}: a score is a real number "
                  "or None")
     values = [math.nan if s is None else float(s) for s in scores]
-    bad = [i for i, v in enumerate(values) if scores[i] is not None and not math.isfinite(v)]
+    bad = [i for i, s in enumerate(scores) if s is not None and not math.isfinite(s)]
     if bad:
         fail(f"{source} returned a non-finite score ({values[bad[0]]}) for completion {bad[0]}")
     return torch.tensor(values, dtype=torch.float32)
@@ -1468,10 +1460,10 @@ def reward_text(reward_tokenizer, prompts, r, completion):
 def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
     """A reward model's scores (B,) from text in its own tokenizer."""
     enc = reward_tokenizer([reward_text(reward_tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
-                           padding=True, return_tensors="pt", add_special_tokens=prompts.messages[rows[0]] is None)
+                           padding=True, return_tensors="pt",
+                           add_special_tokens=prompts.messages[rows[0]] is None).to(reward_model.device)
     check_context(f"--reward_model_path {reward_model.name_or_path!r}", reward_model.config,
                   enc["input_ids"].shape[1], "prompt + response in its tokens", "lower --response_length")
-    enc = enc.to(reward_model.device)
     mask = enc["attention_mask"].bool()
     if not hasattr(reward_model, "score"):
         return reward_model(**enc).logits[:, 0].float()
@@ -1479,7 +1471,7 @@ def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
     return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
 
 
-ADDITION_WORDS = ["<pad>", "<eos>", "<unk>", "+", "="] + [str(i) for i in range(19)]  # its vocabulary
+ADDITION_WORDS = "<pad> <eos> <unk> + =".split() + [str(i) for i in range(19)]  # its vocabulary
 ADDITION_PARTIAL_CREDIT = 0.5
 
 
@@ -1574,22 +1566,27 @@ def start_processes(args):
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo",
                                 timeout=timedelta(seconds=args.dist_timeout_s))
-    torchrun = dist.is_available() and dist.is_initialized()
+    torchrun = in_process_group()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
     low_dtype = None if args.dtype == "fp32" else DTYPES[args.dtype]
     return Runtime(rank, world_size, device, torchrun, torchrun and args.distributed == "fsdp", low_dtype)
 
 
+def in_process_group():
+    """Whether torchrun's process group is up (False where torch has no torch.distributed)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def all_ranks_sum(x):
     """Σ of x over all ranks under torchrun (in place); x itself in a single process."""
-    if dist.is_available() and dist.is_initialized():
+    if in_process_group():
         dist.all_reduce(x)
     return x
 
 
 def all_ranks_objects(obj):
     """[every rank's obj] (picklable), on every rank; [obj] in a single process."""
-    objects = [obj] * (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+    objects = [obj] * (dist.get_world_size() if in_process_group() else 1)
     if len(objects) > 1:
         dist.all_gather_object(objects, obj)
     return objects
@@ -1597,16 +1594,17 @@ def all_ranks_objects(obj):
 
 def agreed(check, *args):
     """check(*args) on every rank; if it fails on any, all stop with its first failure."""
+    result = error = None
     try:
-        result, error = check(*args), None
+        result = check(*args)
     except SystemExit as e:
-        result, error = None, str(e)
+        error = str(e)
     except Exception as e:  # noqa: BLE001 (every rank must learn of it)
-        result, error = None, f"error: {one_line(e)}"
+        error = f"error: {one_line(e)}"
     failed = list(filter(None, all_ranks_objects(error)))
     if failed:
         leave_process_group()  # every rank is here, none in a collective: leave together
-        raise SystemExit(failed[0] if int(os.environ.get("RANK", 0)) == 0 else 1)
+        raise SystemExit(failed[0] if os.environ.get("RANK", "0") == "0" else 1)
     return result
 
 
@@ -1619,7 +1617,7 @@ def one_line(exception):
 
 def leave_process_group():
     """Free FSDP2's modules, then the group (torn down at exit it can abort)."""
-    if dist.is_available() and dist.is_initialized():
+    if in_process_group():
         gc.collect()
         dist.destroy_process_group()
 
@@ -1654,7 +1652,6 @@ def wrap_for_training(models, args, rt):
 def shard(model, frozen=False):
     """FSDP2: a unit per decoder block, then the root (a frozen one reshards after forward)."""
     from torch.distributed.fsdp import fully_shard
-
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or ()):
             fully_shard(module)
@@ -1665,7 +1662,7 @@ def shard(model, frozen=False):
 @contextmanager
 def gathered(model, enabled):
     """FSDP2: gather a model's weights once for many forwards, then free them."""
-    units = [m for m in model.modules() if hasattr(m, "unshard")] if enabled else []
+    units = [m for m in model.modules() if enabled and hasattr(m, "unshard")]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
@@ -1702,13 +1699,12 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm):
 # ------------------------------ memory-efficient log-probs (systems: a first reading may skip this)
 def chunked_logprobs(x, tokens, temperature=1.0, head=None):
     """token_logprobs by chunks of rows, recomputed in backward: no whole (B·T, V)."""
-    flat_x, flat_tokens = x.flatten(0, 1), tokens.flatten()
     n = logprobs_chunk_rows(x.shape[-1] if head is None else head.out_features)
 
     def chunk(x, tokens):
         return token_logprobs(x if head is None else head(x), tokens, temperature)
-    parts = [torch.utils.checkpoint.checkpoint(chunk, flat_x[s : s + n], flat_tokens[s : s + n], use_reentrant=False)
-             for s in range(0, len(flat_x), n)]
+    parts = [torch.utils.checkpoint.checkpoint(chunk, x_rows, token_rows, use_reentrant=False)
+             for x_rows, token_rows in zip(x.flatten(0, 1).split(n), tokens.flatten().split(n))]
     return tuple(torch.cat(values).view(tokens.shape) for values in zip(*parts))
 
 
@@ -1717,30 +1713,25 @@ def chunk_logits(x, head, temperature):
     return (x if head is None else head(x)).float() / temperature
 
 
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma-2/3, Cohere, Granite
-
-
 def output_layer(model):
     """The output layer if the logits are exactly it on the last hidden state, else None."""
+    transforms = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # config keys
     head, config = model.get_output_embeddings(), model.config.get_text_config()
-    if not isinstance(head, torch.nn.Linear) or any(getattr(config, k, None) not in (None, 1, 1.0)
-                                                    for k in LOGIT_TRANSFORMS):
-        return None
+    if not isinstance(head, torch.nn.Linear) or any(getattr(config, k, None) not in (None, 1)
+                                                    for k in transforms):
+        return None  # Gemma-2/3's soft cap, Cohere's and Granite's scales; a probe finds the others
     ids = torch.arange(1, 5, device=head.weight.device)[None] % head.out_features
     mask = torch.ones_like(ids, dtype=torch.bool)
-    hook = head.register_forward_hook(lambda module, inputs, output: output * 100)
-    try:
-        with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
-            logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
-            return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
-    finally:
-        hook.remove()
+    with (torch.no_grad(), torch.autocast(ids.device.type, enabled=False),  # x 100: a cap shows
+          head.register_forward_hook(lambda module, inputs, output: output * 100)):
+        logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
+        return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
 
 
 # ---------------- LoRA (peft): one block a fork can delete (systems: a first reading may skip this)
 def add_lora(model, args, modules_to_save=None):
     """peft LoRA adapters on attention and MLP layers: only they (and modules_to_save) train."""
-    peft = import_peft("--lora_r")
+    import peft  # check_inputs found it
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                              target_modules=args.lora_target_modules or "all-linear", modules_to_save=modules_to_save)
     try:
@@ -1769,9 +1760,8 @@ def import_peft(flag):
 
 
 # ------------------------- checkpoints, resume and signals (systems: a first reading may skip this)
-# Run-only fields change how a run is launched, stored or watched, not what it learns (beyond
-# rounding: --distributed and --shard_frozen_models reorder sums; --eval_temperature changes eval/
-# only), so a resumed run may change them. A checkpoint keeps the others and refuses a new value.
+# Run-only fields: how a run is launched, stored or watched, not what it learns (beyond rounding:
+# --distributed, --shard_frozen_models; --eval_temperature: eval/). A resume may change only these.
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
     save_every save_total_limit resume distributed shard_frozen_models rollout_unshard
     dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
@@ -1795,7 +1785,7 @@ def save_final(model, models, args, output_dir, rt, num_updates):
     for name, source_dtype in models.source_dtypes.items():  # no value model: no entry
         part = getattr(models, name)
         label, folder = name.replace("_", " "), os.path.join(output_dir, name)
-        state = {key.split(".", 1)[1]: value for key, value in weights.items() if key.startswith(name + ".")}
+        state = {k.removeprefix(name + "."): v for k, v in weights.items() if k.startswith(name + ".")}
         dtype = DTYPES.get(args.save_dtype) or source_dtype or torch.float32  # auto: the source's
         base = models.base_paths[name] or os.path.abspath(folder + "_base")  # a LoRA adapter's
         if args.lora_r and not models.base_paths[name]:  # its weights: peft's names, no adapters
@@ -1815,7 +1805,7 @@ def save_final(model, models, args, output_dir, rt, num_updates):
                 written[dtype].append(label)
             models.tokenizer.save_pretrained(tmp)
         if name == "policy" and args.merge_lora:  # the saved adapter, merged into its base in fp32
-            peft = import_peft("--merge_lora")
+            import peft  # check_inputs found it
             merged = from_pretrained(AutoModelForCausalLM, base, "model_name_or_path", args,
                                      dtype=torch.float32)
             merged = quietly(peft.PeftModel.from_pretrained, merged, folder).merge_and_unload()
@@ -1833,12 +1823,8 @@ def save_final(model, models, args, output_dir, rt, num_updates):
 def save_weights(model, folder, state, dtype):
     """save_pretrained(folder), the float tensors of `state` in dtype; its config.json says so."""
     model.save_pretrained(folder, state_dict={k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
-    path = os.path.join(folder, "config.json")  # transformers wrote the in-memory dtype
-    with open(path) as f:
-        config = json.load(f)
-    config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = str(dtype).split(".")[1]
-    with open(path, "w") as f:
-        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.config.dtype = dtype  # save_pretrained wrote the in-memory one
+    model.config.save_pretrained(folder)
 
 
 @contextmanager
@@ -1882,10 +1868,15 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
     progress = {key: state[key] for key in progress}
-    if args.replay_rounds:  # this rank's buffer
-        progress["replay"] = [{k: v.to(rt.device, copy=True) if torch.is_tensor(v) else v
-                               for k, v in b.items()} for b in progress["replay"][rt.rank]]
+    if args.replay_rounds:  # this rank's buffer, out of the file's memory map
+        progress["replay"] = replay_on(progress["replay"][rt.rank], rt.device, copy=True)
     return state["update"], progress
+
+
+def replay_on(batches, device, copy=False):
+    """The replay buffer's batches with their tensors on device."""
+    return [{k: v.to(device, copy=copy) if torch.is_tensor(v) else v for k, v in b.items()}
+            for b in batches]
 
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
@@ -1896,8 +1887,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
         progress["replay"] = []
     if not args.resume:
         return 0, progress
-    names = ("metrics.jsonl", "samples.jsonl") if rt.rank == 0 else ()  # rank 0 writes them
-    logs = [os.path.join(output_dir, name) for name in names]
+    logs = [os.path.join(output_dir, f) for f in ("metrics.jsonl", "samples.jsonl") if rt.rank == 0]
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
     candidates = all_ranks_objects((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
                                    if args.resume == "auto" else [args.resume])[0]
@@ -1934,8 +1924,9 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
 def run_folder(args, rt):
     """--output_dir as rank 0 sees it; None if --resume auto finds a complete run."""
     output_dir, marker = args.output_dir or default_output_dir(args), None
-    if args.resume == "auto" and os.path.isfile(os.path.join(output_dir, "complete.json")):
-        with open(os.path.join(output_dir, "complete.json")) as f:
+    complete = os.path.join(output_dir, "complete.json")
+    if args.resume == "auto" and os.path.isfile(complete):
+        with open(complete) as f:
             marker = json.load(f)
     output_dir, marker = all_ranks_objects((output_dir, marker))[0]  # rank 0's
     if marker and rt.rank == 0:
@@ -1973,8 +1964,7 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
         return False
     weights, optimizer_state = full_state_dict(model, optimizer)  # a collective
     if "replay" in progress:  # every rank's buffer, rank 0 writes them all (a collective)
-        cpu = [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in progress["replay"]]
-        progress = {**progress, "replay": all_ranks_objects(cpu)}
+        progress = {**progress, "replay": all_ranks_objects(replay_on(progress["replay"], "cpu"))}
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
     if rt.rank == 0:  # it has the tensors
         if args.lora_r:  # only what trains
@@ -1985,8 +1975,9 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
                      config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS},
                      stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
         with save_folder(path) as tmp:
-            torch.save(state, os.path.join(tmp, "state.pt"))
-            with open(os.path.join(tmp, "state.pt"), "rb") as f:
+            file = os.path.join(tmp, "state.pt")
+            torch.save(state, file)
+            with open(file, "rb") as f:
                 os.fsync(f.fileno())
         for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
             shutil.rmtree(old)
@@ -2016,14 +2007,13 @@ def json_line(metrics):
                        for k, v in metrics.items()}, allow_nan=False) + "\n"
 
 
-def say(*lines, file=None):
+def say(line, file=None):
     """print, flushed; a dead reader (EPIPE, EIO) must not end a run: its fd goes to devnull."""
-    file = file or sys.stdout  # sys.stdout now, not at import
     try:
-        print(*lines, file=file, flush=True)
+        print(line, file=file, flush=True)
     except OSError:  # what is still buffered goes there too: Python's flush at exit cannot fail
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, file.fileno())
+        os.dup2(devnull, (file or sys.stdout).fileno())  # sys.stdout now, not at import
         os.close(devnull)
 
 
@@ -2089,7 +2079,8 @@ def update_metrics(batch, trained, models, args, rt):
               "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
     values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device) for v in [*averaged.values(), *summed.values()]]
     values = all_ranks_sum(torch.stack(values)).tolist()  # one all-reduce: means of `averaged`, sums of counts
-    averaged, summed = {k: v / rt.world_size for k, v in zip(averaged, values)}, dict(zip(summed, values[len(averaged):]))
+    summed = dict(zip(summed, values[len(averaged):]))
+    averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}
     averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
     if replay_sums:  # --replay_rounds: fresh tokens apart
         averaged.update(replay_stats(replay_sums, args.gradient_accumulation_steps),
@@ -2146,11 +2137,11 @@ class Logger:
         self.args, self.sizes, self.rt, self.output_dir = args, sizes, rt, output_dir
         self.last, self.logged, self.wandb, n = None, 0, None, args.num_sample_generations
         self.sample_every = max(1, sizes.num_updates // n) if n else 0
-        if args.track and rt.rank == 0:  # check_inputs found it importable
-            import wandb
-            self.wandb = wandb
-            wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir), config=asdict(args))
         if rt.rank == 0:
+            if args.track:  # check_inputs found it importable
+                import wandb
+                self.wandb = wandb
+                wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir), config=asdict(args))
             os.makedirs(output_dir, exist_ok=True)
         mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
         lora, k = "", args.num_generations
@@ -2177,9 +2168,8 @@ class Logger:
         columns = {"success {objective/success_rate:4.0%}": models.builtin_reward,
                    "score {objective/scores:.3f}": True,
                    "kl {objective/kl:.3f}": models.ref_policy is not None,
-                   "approxkl {policy/approxkl_avg:.4f}": True,
-                   "clipfrac {policy/clipfrac_avg:.3f}": True, "vloss {loss/value_avg:.4f}": value,
-                   "ev {val/explained_variance:.2f}": value,
+                   "approxkl {policy/approxkl_avg:.4f}  clipfrac {policy/clipfrac_avg:.3f}": True,
+                   "vloss {loss/value_avg:.4f}  ev {val/explained_variance:.2f}": value,
                    "len {val/mean_response_length:.1f}": True,
                    "rm_spread {objective/rm_spread:.3f}": len(models.reward_models) > 1}
         self.columns = "".join(f"{column}  " for column, shown in columns.items() if shown)
@@ -2187,11 +2177,11 @@ class Logger:
     def evaluates(self, update):
         """Evaluate after update (0-based) num_sample_generations times, and after the last."""
         every = self.sample_every
-        return update + 1 == self.sizes.num_updates or bool(every) and update % every == 0
+        return update + 1 == self.sizes.num_updates or every > 0 and update % every == 0
 
-    def print(self, *lines, file=None):
+    def print(self, line, file=None):
         if self.rt.rank == 0:
-            say(*lines, file=file)
+            say(line, file=file)
 
     def start_update(self):
         self.start, self.laps = time.perf_counter(), {}
@@ -2200,7 +2190,7 @@ class Logger:
         """Seconds of the phase `name`: since the previous lap, or the update's start."""
         self.laps[name] = time.perf_counter() - self.start - sum(self.laps.values())
 
-    def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples=()):
+    def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples):
         """One update into metrics.jsonl, a line on stdout; samples into samples.jsonl."""
         t, update, elapsed = self.laps, update + 1, time.time() - self.start_time
         self.logged += 1
@@ -2216,11 +2206,11 @@ class Logger:
             "time/train_tokens_per_s": token_counts["train"] / max(t["train"], 1e-9), "memory/peak_mib": peak_memory}
         if self.rt.rank:  # rank 0 writes and prints
             return
-        with open(os.path.join(self.output_dir, "metrics.jsonl"), "a") as f:  # whole lines only
-            f.write(json_line(m))
-        if samples:
-            with open(os.path.join(self.output_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(sample) + "\n" for sample in samples)
+        for name, lines in (("metrics.jsonl", [json_line(m)]),
+                            ("samples.jsonl", [json.dumps(sample) + "\n" for sample in samples])):
+            if lines:  # whole lines only
+                with open(os.path.join(self.output_dir, name), "a") as f:
+                    f.writelines(lines)
         if self.wandb:  # the evaluation's samples as a table
             tables = {"eval/samples": self.wandb.Table(columns=list(samples[0]), data=[
                 list(s.values()) for s in samples])} if samples else {}

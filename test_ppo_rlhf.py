@@ -75,8 +75,7 @@ def accuracy_reward(completions, solution, **kwargs):
 
 
 def two_params(p, c):
-    """Names none of the arguments: called (prompts, completions) positionally, as before keywords."""
-    log_call(prompts=p, completions=c)
+    """Names none of the arguments (the positional call of old versions is gone): refused before loading."""
     return [0.0] * len(c)
 
 
@@ -1157,27 +1156,21 @@ def test_a_trl_style_reward_function_gets_the_values_of_each_row(tiny, tmp_path,
     assert all(c["prompts"] == [r["prompt"] for r in read_lines(tiny["answers_eval"])] for c in evaluations)
 
 
-def test_chat_rows_reach_a_reward_function_as_messages_and_a_two_parameter_one_as_text(tiny, tmp_path, monkeypatch):
+def test_chat_rows_reach_a_reward_function_as_messages(tiny, tmp_path, monkeypatch):
     """Chat rows: a TRL-style function (the shape of TRL's accuracy_reward) gets each row's messages without a
-    trailing assistant turn and [{"role": "assistant", "content": text}], with the row's `solution`; a function
-    with two parameters that names none of the arguments is called as before, (prompt texts, completion texts)."""
+    trailing assistant turn and [{"role": "assistant", "content": text}], with the row's `solution`."""
     monkeypatch.setenv("REWARD_LOG", str(tmp_path / "log"))
     args = run_args(tiny, tmp_path, model_name_or_path=tiny["chat"], reward_model_path=None,
-                    reward_fn=[f"{__file__}:accuracy_reward", f"{__file__}:two_params"],
-                    dataset=tiny["chat_solutions"], total_episodes=16)
+                    reward_fn=[f"{__file__}:accuracy_reward"], dataset=tiny["chat_solutions"], total_episodes=16)
     P.main(args)
     rows = read_lines(tiny["chat_solutions"])
     messages = [r["messages"][:1] for r in rows]  # the last row's assistant turn dropped
-    tokenizer = AutoTokenizer.from_pretrained(tiny["chat"])
-    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
-    accuracy, positional = (read_lines(tmp_path / "log.0")[i::2] for i in range(2))
-    assert len(accuracy) == len(positional) == 2
-    for call, plain in zip(accuracy, positional):
+    calls = read_lines(tmp_path / "log.0")
+    assert len(calls) == 2
+    for call in calls:
         assert all(p in messages for p in call["prompts"]) and [messages[7]] != [rows[7]["messages"]]
         assert call["solution"] == [rows[messages.index(p)]["solution"] for p in call["prompts"]]
         assert all(c == [{"role": "assistant", "content": c[0]["content"]}] for c in call["completions"])
-        assert plain["prompts"] == [texts[messages.index(p)] for p in call["prompts"]]
-        assert plain["completions"] == [c[0]["content"] for c in call["completions"]]
 
 
 def test_a_none_score_leaves_its_source_out_and_async_functions_run(tiny, tmp_path, monkeypatch):
@@ -2051,6 +2044,8 @@ def file_case(case, tiny, tmp_path):
         "an empty list of stop ids": (dict(stop_token_id=[]), "--stop_token_id"),
         "a reward function of one parameter": (dict(reward_model_path=None, reward_fn=[f"{__file__}:one_param"]),
                                                "--reward_fn"),
+        "a reward function of two unnamed parameters": (
+            dict(reward_model_path=None, reward_fn=[f"{__file__}:two_params"]), "--reward_fn"),
         "a reward function needing a field the rows lack": (
             dict(reward_model_path=None, reward_fn=[f"{__file__}:needs_answer"]), "--dataset"),
         "a reward function needing a field the held-out rows lack": (
@@ -2084,6 +2079,7 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "no stop id, a missing-EOS penalty", "a stop id outside the vocabulary", "an empty list of stop ids",
               "a corrupt adapter config", "a reward model with a shorter context",
               "a reward model with its own tokenizer and a shorter context", "a reward function of one parameter",
+              "a reward function of two unnamed parameters",
               "a reward function needing a field the rows lack",
               "a reward function needing a field the held-out rows lack",
               "a reward function asking for TRL's log_metric", "a field named like a reward function's argument",
@@ -2106,6 +2102,7 @@ MUST_SAY = {"a tokenizer past the model's vocabulary": "gives prompt ids past th
             "a reward model with a shorter context": "more than its context of 8",
             "a reward model with its own tokenizer and a shorter context": "more than its context of 8",
             "a reward function of one parameter": "takes (x): give it (prompts, completions), or keywords",
+            "a reward function of two unnamed parameters": "takes (p, c): give it (prompts, completions), or keywords",
             "a reward function needing a field the rows lack": "needs 'answer', which the rows of --dataset do not",
             "a reward function asking for TRL's log_metric": "asks for ['log_metric']",
             "a field named like a reward function's argument": "field named 'prompts'",
@@ -3372,7 +3369,7 @@ def test_two_ranks_of_main_take_their_own_prompts_and_whiten_over_the_global_bat
     models = SimpleNamespace(policy=AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy"),
                              ref_policy=AutoModelForCausalLM.from_pretrained(tiny["gpt2"], dtype=torch.float32),
                              value_model=None, reward_models=[], builtin_reward=False, reward_weights=torch.ones(1),
-                             reward_fns=[(num_words, "num_words", P.POSITIONAL)], tokenizer=tokenizer,
+                             reward_fns=[(num_words, "num_words", ("completions", "prompts"))], tokenizer=tokenizer,
                              pad_token_id=tokenizer.pad_token_id, stop_token_ids=[5], policy_head=None, ref_head=None,
                              reference=contextlib.nullcontext)
     args = P.Args(response_length=6)
