@@ -156,8 +156,8 @@ class Args:
     """β, the KL coefficient (0: no reference model is loaded)"""
     kl_in: Literal["reward", "loss"] = "reward"
     """reward: r_t −= β·KL_t; loss: loss += β·agg(KL_t), a gradient through π_θ (ppo_loss)"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """KL_t per token from samples (kl_estimate)"""
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
+    """KL_t per token from samples (kl_estimate); unset: k1 in the reward, k3 in the loss"""
     adaptive_kl_target: Optional[float] = None
     """adapt β towards this KL per response after each update (adaptive_kl_coef); unset: fixed"""
     adaptive_kl_horizon: int = 10000
@@ -210,7 +210,7 @@ class Args:
     """with --lora_r: also write policy_merged/, the base with the adapter merged in"""
     # --- system
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """autocast dtype; trained weights and AdamW stay fp32 (16 B/param), frozen ones this"""
+    """autocast dtype; trained weights, AdamW and π_ref stay fp32 (π_ref: KL 0 at π_θ = π_ref), RMs this"""
     save_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     """dtype of the saved policy and value model (auto: the source checkpoint's)"""
     gradient_checkpointing: bool = False
@@ -805,6 +805,7 @@ def check_args(args):
     """Every check that needs only the flags (and torchrun's WORLD_SIZE). -> the derived sizes."""
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
+    args.kl_estimator = args.kl_estimator or ("k3" if args.kl_in == "loss" else "k1")  # as TRL's PPO, GRPO
     for allowed, (ok, flags) in FLAG_RANGES.items():
         for flag in flags:  # NaN fails every comparison; inf is refused too
             value = getattr(args, flag)
@@ -849,6 +850,8 @@ def check_args(args):
         fail("--replay_weight_cap needs --replay_correction decoupled (it caps its weights)")
     if args.lr_scheduler_type == "constant" and args.warmup_ratio:  # transformers' ignores warmup
         fail("--warmup_ratio needs --lr_scheduler_type linear or cosine (constant has no warmup)")
+    if args.kl_in == "loss" and args.kl_estimator == "k1":  # E_π_old[∇k1] = −∇KL(π_old‖π_θ): not toward π_ref
+        fail("--kl_estimator k1 with --kl_in loss pulls nothing toward π_ref: give k3 or k2")
     if args.adaptive_kl_target is not None and args.kl_coef == 0:
         fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
     if args.total_episodes < sizes.batch_size:
@@ -857,9 +860,6 @@ def check_args(args):
     if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
         fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards "
              "only; use --dtype bf16")
-    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
-        fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in "
-             "reward scores only the built-in task's sums)")
     return sizes
 
 
@@ -966,6 +966,9 @@ def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
                           f"a prompt of {longest} + --response_length {args.response_length}",
                           "shorten the prompts (--max_prompt_length) or --response_length")
     reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
+    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
+        fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in "
+             "reward scores only the built-in task's sums)")
     if not reward_fns and not args.reward_model_path:  # the built-in prompts
         reward_fns = [(addition_reward, "addition_reward")]
         if ADDITION_WORDS.index("<eos>") not in stop_token_ids:
@@ -1204,7 +1207,7 @@ def load_models(args, model_path, inputs, rt):
     """Every model on rt.device, trained ones fp32 and wrapped (wrap_for_training)."""
     frozen_dtype = rt.low_dtype or torch.float32
     dtype = frozen_dtype if args.lora_r else torch.float32  # of trained models (LoRA: frozen)
-    frozen = lambda model: model.requires_grad_(False).eval().to(rt.device, frozen_dtype)
+    frozen = lambda model, dtype=frozen_dtype: model.requires_grad_(False).eval().to(rt.device, dtype)
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args, dtype)
     if args.lora_r:
         policy = add_lora(policy, args)
@@ -1212,8 +1215,9 @@ def load_models(args, model_path, inputs, rt):
     if args.kl_coef and args.lora_r:
         ref_policy = policy  # the same weights: score() switches the adapter off
     elif args.kl_coef:
+        # in the policy's precision (fp32 under autocast): where π_θ = π_ref the KL is 0, not a bf16 floor
         ref_policy = frozen(copy.deepcopy(policy) if not args.ref_model_path else load_pretrained(
-            AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args, frozen_dtype))
+            AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args, dtype), dtype)
     reward_models = []  # (model, its tokenizer, or None if it reads the policy's token ids)
     for path, reward_tokenizer in zip(args.reward_model_path or [], inputs.reward_tokenizers):
         reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args,

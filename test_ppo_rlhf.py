@@ -1362,8 +1362,8 @@ def test_an_fp16_checkpoint_trains_under_fp16_and_a_bf16_one_gets_a_warning(tiny
 def test_trained_weights_and_their_optimizer_state_are_fp32_and_frozen_ones_in_the_dtype(tiny, tmp_path, monkeypatch,
                                                                                            dtype, lora):
     """From bf16-stored checkpoints: the weights that train (all of the policy and value model; with LoRA the
-    adapters and the value head) and AdamW's state are fp32; the frozen ones (reference, reward model; with LoRA the
-    base of the policy and value model) in --dtype's precision."""
+    adapters and the value head) and AdamW's state are fp32; the reward model (with LoRA the base of the policy and
+    value model) in --dtype's precision; the reference in the policy's, fp32 (with LoRA it is the policy)."""
     frozen_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     seen, real_load, real_epochs = {}, P.load_models, P.ppo_epochs
     monkeypatch.setattr(P, "load_models", lambda *a: seen.setdefault("models", real_load(*a)))
@@ -1384,8 +1384,37 @@ def test_trained_weights_and_their_optimizer_state_are_fp32_and_frozen_ones_in_t
         assert all("lora_" in n or "modules_to_save" in n for n in seen["trained"])
         assert set(seen["frozen"].values()) == {frozen_dtype}
     else:
-        assert {p.dtype for p in models.ref_policy.parameters()} == {frozen_dtype}
+        assert {p.dtype for p in models.ref_policy.parameters()} == {torch.float32}
     assert {p.dtype for p in models.reward_models[0][0].parameters()} == {frozen_dtype}
+
+
+@pytest.mark.parametrize("arch,lora", [("llama", False), ("gpt2", False), ("llama", True)])
+def test_the_kl_is_0_where_the_policy_is_the_reference_under_bf16(tiny, tmp_path, monkeypatch, arch, lora):
+    """Update 1 under --dtype bf16, bf16-stored checkpoints: the policy (fp32 master weights under autocast) is its
+    reference, so log π_old = log π_ref on every token and the KL is 0 per response, as in fp32. A bf16 copy of the
+    reference runs its norms and residual stream in bf16 and gave a floor (~1e-4 per response here); with LoRA the
+    reference is the same module (adapters start at 0)."""
+    seen, real_score = [], P.score
+    monkeypatch.setattr(P, "score", lambda *a, **k: seen.append(real_score(*a, **k)) or seen[-1])
+    args = run_args(tiny, tmp_path, model_name_or_path=tiny[arch], reward_model_path=[tiny[f"{arch}_rm"]],
+                    dtype="bf16", total_episodes=8, response_length=8, lora_r=4 if lora else 0)
+    P.main(args)
+    scored = seen[0]
+    assert scored["ref_logprobs"].abs().sum() > 1  # real tokens, not all padding
+    assert (scored["logprobs"] - scored["ref_logprobs"]).abs().sum(1).max() <= 1e-6
+    assert abs(read_metrics(args.output_dir)[0]["objective/kl"]) <= 1e-6
+
+
+def test_the_kl_estimator_defaults_to_k1_in_the_reward_and_k3_in_the_loss():
+    """k1 in the loss has an expected gradient −∇KL(π_old‖π_θ) on π_old's samples, no pull toward π_ref: refused;
+    unset, the estimator is k1 in the reward (TRL's PPO) and k3 in the loss (GRPO)."""
+    for kl_in, expected in (("reward", "k1"), ("loss", "k3")):
+        args = P.Args(kl_in=kl_in)
+        P.check_args(args)
+        assert args.kl_estimator == expected
+    with pytest.raises(SystemExit, match=r"--kl_estimator k1 with --kl_in loss pulls nothing toward π_ref: give k3"):
+        P.check_args(P.Args(kl_in="loss", kl_estimator="k1"))
+    P.check_args(P.Args(kl_in="reward", kl_estimator="k1"))
 
 
 def test_a_chat_model_stops_at_its_end_of_turn_and_a_resume_keeps_the_stop_ids(tiny, tmp_path, capsys):
