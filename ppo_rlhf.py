@@ -187,9 +187,9 @@ class Args:
     replay_rounds: int = 0
     """N: also train on the last N updates' batches, off-policy (0: on-policy); see replay_batch"""
     replay_correction: Optional[Literal["naive", "decoupled"]] = None
-    """naive: ρ = π_θ/μ (μ: the sampler); decoupled: π_θ/π_prox, weighted min(π_prox/μ, c)"""
+    """naive: ρ = π_θ/μ (μ: the sampler); decoupled: π_θ/π_prox, weighted π_prox/μ (0 above c)"""
     replay_weight_cap: Optional[float] = None
-    """c of --replay_correction decoupled (unset: 2)"""
+    """c of --replay_correction decoupled: tokens whose π_prox/μ exceeds it leave the loss (unset: 2)"""
     # --- optimisation
     learning_rate: float = 1e-3
     """AdamW learning rate (suits the toy task; real models want ~1e-6 to 3e-6)"""
@@ -646,11 +646,11 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
 def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     """One micro-batch's loss: the policy term (L_clip + β·KL, --kl_in loss, − c_H·H, as --loss_agg)
     and L_V (None without V). -> those, the named losses, policy_loss's token statistics."""
-    mask, w = mb["response_mask"], mb.get("weights", 1.0)  # w: decoupled_weights (replay)
-    agg = lambda x: aggregate(w * x, mask, args.loss_agg, args.response_length)  # noqa: E731
+    mask = mb["response_mask"]
+    agg = lambda x: aggregate(x, mask, args.loss_agg, args.response_length)  # noqa: E731
     pg_tokens, tokens = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], args.cliprange,
                                     args.cliprange_high, args.dual_clip)
-    policy_term = agg(pg_tokens)
+    policy_term = agg(mb.get("weights", 1.0) * pg_tokens)  # decoupled replay's weights: on L_clip only
     losses = {"loss/policy_avg": policy_term}
     if args.kl_in == "loss" and kl_coef:  # a gradient through π_θ
         losses["loss/kl_avg"] = kl_loss = agg(kl_estimate(new_logprobs, mb["ref_logprobs"], args.kl_estimator))
@@ -1106,27 +1106,29 @@ def replay_batch(progress, batch, update, models, args, rt):
     advantages, train["returns"] = advantages_and_returns(train["rewards"], train["values"], mask, args)
     if has_value_model(args.advantage_estimator):  # with today's V; value-free rows keep their batch's advantages
         train["advantages"] = advantages
-    # how stale the rows are (k3: KL(μ‖π_prox); π_prox/μ before the cap), each Σ x·m / Σ m over all
-    # ranks (0 / 0: NaN)
+    # how stale the rows are (k3: KL(μ‖π_prox); π_prox/μ before the cap, the share above it), each
+    # Σ x·m / Σ m over all ranks (0 / 0: NaN)
     k3, weight, replayed = kl_estimate(mu, prox, "k3"), (prox - mu).exp(), mask & (age > 0)
+    cap = args.replay_weight_cap or 2.0
     ratios = {"replay/share": (replayed, mask), "replay/mean_age": (age, mask),
               **{f"replay/kl_age{a}": (k3, mask & (age == a))
                  for a in range(1, args.replay_rounds + 1)},
-              "replay/weight_mean": (weight, replayed)}
+              "replay/weight_mean": (weight, replayed), "replay/weight_masked": (weight > cap, replayed)}
     sums = all_ranks_sum(torch.stack([y.sum().double() for x, m in ratios.values()
                                       for y in (x * m, m)]))
     weight_max = max(all_ranks_objects(torch.where(replayed, weight, -math.inf).max().item()))
     batch["replay_metrics"] = {**dict(zip(ratios, (sums[::2] / sums[1::2]).tolist())),
                                "replay/weight_max": weight_max}
-    if args.replay_correction == "decoupled":  # clip around π_prox, token weight min(π_prox/μ, c)
-        train["weights"] = decoupled_weights(prox, mu, args.replay_weight_cap or 2.0)
+    if args.replay_correction == "decoupled":  # clip around π_prox, token weight π_prox/μ (0 above c)
+        train["weights"] = decoupled_weights(prox, mu, cap)
         train["logprobs"] = prox  # the ratio's denominator
     return train
 
 
 def decoupled_weights(prox_logprobs, behaviour_logprobs, cap):
-    """Decoupled PPO's weight min(π_prox/μ, c) (Hilton et al. 2021; cap: AReaL)."""
-    return (prox_logprobs - behaviour_logprobs).exp().clamp(max=cap)
+    """Decoupled PPO's weight π_prox/μ (Hilton et al. 2021), 0 above the cap c: AReaL masks those."""
+    weight = (prox_logprobs - behaviour_logprobs).exp()
+    return torch.where(weight <= cap, weight, 0.0)
 
 
 def prox_and_values(models, b, args, rt):

@@ -631,10 +631,11 @@ def test_ppo_loss_adds_the_kl_and_entropy_terms_with_their_gradients():
 
 
 def test_the_decoupled_loss_against_a_per_token_formula():
-    """Decoupled replay (what replay_batch hands ppo_loss): per token w = min(π_prox/μ, c) times [the clipped
-    surrogate with ρ = π_θ/π_prox + β·k3 − c_H·H], then the token mean; the value loss unweighted. Some weights are
-    capped, and some tokens are inside the clip around π_prox but outside it around μ. Fresh tokens (π_prox = μ)
-    give the plain loss."""
+    """Decoupled replay (what replay_batch hands ppo_loss), as AReaL: per token w·(the clipped surrogate with
+    ρ = π_θ/π_prox) + β·k3 − c_H·H, w = π_prox/μ, or 0 where that exceeds the cap c (the token leaves the policy
+    term, not the denominator), then the token mean; KL, entropy and value loss unweighted. Some tokens are masked,
+    and some are inside the clip around π_prox but outside it around μ. Fresh tokens (π_prox = μ) give the plain
+    loss."""
     gen = torch.Generator().manual_seed(11)
     mask = torch.arange(6) < torch.tensor([6, 3, 4, 5])[:, None]
     rand = lambda scale=1.0: scale * torch.randn(4, 6, dtype=torch.float64, generator=gen)  # noqa: E731
@@ -649,15 +650,17 @@ def test_the_decoupled_loss_against_a_per_token_formula():
     term, vf_loss, *_ = P.ppo_loss(new, entropy, values + 0.1, mb, beta, args)
     expected, n = 0.0, 0
     for i, t in zip(*torch.nonzero(mask, as_tuple=True)):
-        w = min(math.exp(prox[i, t] - mu[i, t]), cap)
+        w = math.exp(prox[i, t] - mu[i, t])
+        w = w if w <= cap else 0.0
         rho = torch.exp(new[i, t] - prox[i, t])
         a = advantages[i, t]
         pg = torch.max(-a * rho, -a * rho.clamp(1 - eps, 1 + eps))
         kl = torch.exp(ref[i, t] - new[i, t]) - 1 - (ref[i, t] - new[i, t])
-        expected, n = expected + w * (pg + beta * kl - c_h * entropy[i, t]), n + 1
+        expected, n = expected + w * pg + beta * kl - c_h * entropy[i, t], n + 1
     assert torch.allclose(term, expected / n)
     assert torch.allclose(vf_loss, P.value_loss(values + 0.1, values, returns, mask, 0.2)[0])  # no weight
     assert ((prox - mu).exp()[mask] > cap).any() and ((prox - mu).exp()[mask] < 1).any()  # the cap is at work
+    assert (mb["weights"][mask] == 0).any() and (mb["weights"][mask] > 1).any()  # masked, and weights over 1
     inside_prox = ((new - prox).exp() - 1).abs() < eps
     assert (inside_prox & (((new - mu).exp() - 1).abs() > eps) & mask).any()  # the clip's center matters here
     fresh = dict(mb, weights=P.decoupled_weights(mu, mu, cap), logprobs=mu)
@@ -3169,8 +3172,9 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
             assert torch.equal(train["logprobs"], mu) and "weights" not in train
         else:  # π_prox, each token weighted min(π_prox/μ, c)
             assert torch.allclose(train["logprobs"], prox, atol=1e-5) and torch.equal(train["logprobs"][:B], mu[:B])
-            assert torch.allclose(train["weights"], (train["logprobs"] - mu).exp().clamp(max=1.02))
-            assert (train["weights"][B:][mask[B:]] == 1.02).any() and (train["weights"][B:][mask[B:]] < 1).any()
+            w = (train["logprobs"] - mu).exp()
+            assert torch.allclose(train["weights"], torch.where(w <= 1.02, w, 0.0))  # AReaL: 0 above the cap
+            assert (train["weights"][B:][mask[B:]] == 0).any() and (train["weights"][B:][mask[B:]] < 1).any()
     assert metrics["update"] == 3 and metrics["policy/epochs"] == 2  # 2B rows: 2 minibatches per epoch
     assert abs(metrics["policy/first_ratio"] - 1) < 1e-5  # of fresh tokens (a replayed one's starts at π_prox/μ)
     assert len(widths) > 1  # some rows were padded to another width than their own
@@ -3178,6 +3182,9 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
     assert metrics["replay/share"] == pytest.approx((replayed.sum() / mask.sum()).item())
     k3 = P.kl_estimate(mu, prox, "k3")[replayed].mean()  # KL(μ‖π_prox) of the one-update-old rows
     assert metrics["replay/kl_age1"] == pytest.approx(k3.item(), rel=1e-4) and metrics["replay/mean_age"] > 0.3
+    if correction.startswith("decoupled"):  # the share of replayed tokens whose π_prox/μ the cap masked
+        above = ((train["logprobs"] - mu).exp() > 1.02) & replayed
+        assert 0 < metrics["replay/weight_masked"] == pytest.approx((above.sum() / replayed.sum()).item())
     monkeypatch.undo()
     flags.pop("replay_weight_cap", None)
     P.main(run_args(tiny, tmp_path / "today", total_episodes=B, **flags))  # --replay_rounds 0
