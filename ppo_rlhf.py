@@ -540,8 +540,10 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
     """Phase 2: no-grad forwards of the frozen models -> ref_logprobs, values (B, R), completions,
     source_scores (B, S; NaN: None), raw_scores Σ w·s (B,). scores_only: reward sources only."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
-    logprobs = batch["logprobs"]  # (B, R), the sampler's; recomputed below under bf16/fp16
-    ref_logprobs, values = torch.zeros_like(logprobs), torch.zeros_like(logprobs)  # (B, R)
+    sampler_logprobs = batch["logprobs"]  # μ (B, R), also log π_old unless bf16/fp16 recompute it below
+    logprobs = sampler_logprobs.clone() if rt.low_dtype else sampler_logprobs
+    ref_logprobs = logprobs if models.ref_policy is None else torch.zeros_like(logprobs)  # None: KL 0
+    values = torch.zeros_like(logprobs)
     rm_scores = [torch.zeros(len(mask), device=rt.device) for _ in models.reward_models]
     chunk = args.local_rollout_forward_batch_size
     with rt.no_grad(), rt.autocast():
@@ -564,11 +566,9 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
     completions = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
     # the reward models that read text with their own tokenizer, and the reward functions: (B, S)
     source_scores = text_scores(models, rm_scores, prompts, rows, completions, responses, trainer_state, chunk, rt)
-    if models.ref_policy is None:  # --kl_coef 0: every KL is 0
-        ref_logprobs = logprobs
     return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
                 values=values.masked_fill(~mask, 0.0), completions=completions, source_scores=source_scores,
-                raw_scores=(source_scores * models.reward_weights).nansum(1))
+                raw_scores=(source_scores * models.reward_weights).nansum(1), sampler_logprobs=sampler_logprobs)
 
 
 # ----------------------------------------------------------------------------------- the PPO update
@@ -2073,6 +2073,10 @@ def update_metrics(batch, trained, models, args, rt):
     if stats:  # must be 1 and 0 (fresh tokens: replay_stats)
         averaged["policy/first_ratio"] = stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = stats["policy/approxkl_avg"][0]
+    if args.dtype != "fp32":  # the sampler's μ against π_old, its bf16/fp16 recompute: w = π_old/μ per token
+        mu, old = batch["sampler_logprobs"], batch["logprobs"]
+        averaged["rollout/mismatch_kl"] = masked_mean(kl_estimate(mu, old, "k3"), mask)  # KL(μ‖π_old)
+        averaged["rollout/mismatch_outside_frac"] = masked_mean(((old - mu).exp() - 1).abs() > 0.1, mask)
     if models.builtin_reward:  # the built-in task: the share of answers that score 1
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
     num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # RMs first

@@ -1408,6 +1408,37 @@ def test_the_kl_is_0_where_the_policy_is_the_reference_under_bf16(tiny, tmp_path
     assert abs(read_metrics(args.output_dir)[0]["objective/kl"]) <= 1e-6
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_samplers_log_probs_are_kept_beside_the_recompute_and_their_mismatch_is_logged(tiny, tmp_path,
+                                                                                           monkeypatch, dtype):
+    """Under --dtype bf16 score() recomputes log π_old with the training forward (the first ratio is 1) and keeps the
+    sampler's μ beside it: rollout/mismatch_kl is the k3 KL(μ‖π_old) per token, rollout/mismatch_outside_frac the
+    share of tokens with w = π_old/μ outside [0.9, 1.1]. Under fp32 μ is π_old (no recompute, no metric)."""
+    sampled, scored, real_rollout, real_score = [], [], P.rollout, P.score
+
+    def rollout(*a, **k):
+        sampled.append(real_rollout(*a, **k))
+        sampled[-1]["mu"] = sampled[-1]["logprobs"].clone()  # score() hands back μ and π_old: compare with this
+        return sampled[-1]
+
+    monkeypatch.setattr(P, "rollout", rollout)
+    monkeypatch.setattr(P, "score", lambda *a, **k: scored.append(real_score(*a, **k)) or scored[-1])
+    args = run_args(tiny, tmp_path, model_name_or_path=tiny["llama"], reward_model_path=[tiny["llama_rm"]],
+                    dtype=dtype, total_episodes=8, response_length=8, temperature=0.7)
+    P.main(args)
+    metrics = read_metrics(args.output_dir)[0]
+    mu, mask = sampled[0]["mu"], sampled[0]["response_mask"]
+    assert torch.equal(scored[0]["sampler_logprobs"], mu) and mu[mask].lt(0).all()
+    old = scored[0]["logprobs"]
+    if dtype == "fp32":
+        assert torch.equal(old, mu) and not any(k.startswith("rollout/") for k in metrics)
+        return
+    w = (old - mu).exp()[mask].double()
+    assert metrics["rollout/mismatch_kl"] == pytest.approx((w - 1 - w.log()).mean().item(), rel=1e-5, abs=1e-9)
+    assert metrics["rollout/mismatch_outside_frac"] == pytest.approx(((w - 1).abs() > 0.1).double().mean().item())
+    assert (old - mu)[mask].abs().max() < 0.5  # the same policy, in bf16 at another batch shape
+
+
 def test_the_kl_estimator_defaults_to_k1_in_the_reward_and_k3_in_the_loss():
     """k1 in the loss has an expected gradient −∇KL(π_old‖π_θ) on π_old's samples, no pull toward π_ref: refused;
     unset, the estimator is k1 in the reward (TRL's PPO) and k3 in the loss (GRPO)."""
