@@ -210,7 +210,7 @@ class Args:
     """with --lora_r: also write policy_merged/, the base with the adapter merged in"""
     # --- system
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """autocast dtype; trained weights, AdamW and π_ref stay fp32 (π_ref: KL 0 at π_θ = π_ref), RMs this"""
+    """autocast dtype; trained weights, AdamW and π_ref (as π_θ) stay fp32, reward models this one"""
     save_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     """dtype of the saved policy and value model (auto: the source checkpoint's)"""
     gradient_checkpointing: bool = False
