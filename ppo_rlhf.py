@@ -865,6 +865,9 @@ def check_args(args):
 
 def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     """Every check that needs files but no weights: output, configs, prompts, rewards."""
+    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":  # before any read
+        fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in "
+             "reward scores only the built-in task's sums)")
     # the output folder: writable, no run in it unless resumed
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output_dir {output_dir!r} is a file; give a folder")
@@ -966,9 +969,6 @@ def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
                           f"a prompt of {longest} + --response_length {args.response_length}",
                           "shorten the prompts (--max_prompt_length) or --response_length")
     reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
-    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":
-        fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in "
-             "reward scores only the built-in task's sums)")
     if not reward_fns and not args.reward_model_path:  # the built-in prompts
         reward_fns = [(addition_reward, "addition_reward")]
         if ADDITION_WORDS.index("<eos>") not in stop_token_ids:
@@ -2073,7 +2073,7 @@ def update_metrics(batch, trained, models, args, rt):
     if stats:  # must be 1 and 0 (fresh tokens: replay_stats)
         averaged["policy/first_ratio"] = stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = stats["policy/approxkl_avg"][0]
-    if args.dtype != "fp32":  # the sampler's μ against π_old, its bf16/fp16 recompute: w = π_old/μ per token
+    if rt.low_dtype:  # the sampler's μ against π_old, score()'s bf16/fp16 recompute: w = π_old/μ per token
         mu, old = batch["sampler_logprobs"], batch["logprobs"]
         averaged["rollout/mismatch_kl"] = masked_mean(kl_estimate(mu, old, "k3"), mask)  # KL(μ‖π_old)
         averaged["rollout/mismatch_outside_frac"] = masked_mean(((old - mu).exp() - 1).abs() > 0.1, mask)

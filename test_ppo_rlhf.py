@@ -2107,6 +2107,7 @@ def file_case(case, tiny, tmp_path):
         "an empty list of stop ids": (dict(stop_token_id=[]), "--stop_token_id"),
         "a reward function of one parameter": (dict(reward_model_path=None, reward_fn=[f"{__file__}:one_param"]),
                                                "--reward_fn"),
+        "no reward source for one's own prompts": (dict(reward_model_path=None), "--reward_fn"),
         "a reward function of two unnamed parameters": (
             dict(reward_model_path=None, reward_fn=[f"{__file__}:two_params"]), "--reward_fn"),
         "a reward function needing a field the rows lack": (
@@ -2142,7 +2143,7 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "no stop id, a missing-EOS penalty", "a stop id outside the vocabulary", "an empty list of stop ids",
               "a corrupt adapter config", "a reward model with a shorter context",
               "a reward model with its own tokenizer and a shorter context", "a reward function of one parameter",
-              "a reward function of two unnamed parameters",
+              "a reward function of two unnamed parameters", "no reward source for one's own prompts",
               "a reward function needing a field the rows lack",
               "a reward function needing a field the held-out rows lack",
               "a reward function asking for TRL's log_metric", "a field named like a reward function's argument",
@@ -2166,6 +2167,7 @@ MUST_SAY = {"a tokenizer past the model's vocabulary": "gives prompt ids past th
             "a reward model with its own tokenizer and a shorter context": "more than its context of 8",
             "a reward function of one parameter": "takes (x): give it (prompts, completions), or keywords",
             "a reward function of two unnamed parameters": "takes (p, c): give it (prompts, completions), or keywords",
+            "no reward source for one's own prompts": "no reward for these prompts: give --reward_model_path or",
             "a reward function needing a field the rows lack": "needs 'answer', which the rows of --dataset do not",
             "a reward function asking for TRL's log_metric": "asks for ['log_metric']",
             "a field named like a reward function's argument": "field named 'prompts'",
