@@ -15,7 +15,8 @@ num_ppo_epochs passes of small steps over that fresh batch, throw it away. ρ_t 
 drifting from π_old inside those epochs, but only for the choice of token, not for the states a
 drifted policy would visit: the clip, the KL penalty to π_ref and target_kl early stopping keep π_θ
 close enough for that to hold. Its relatives (RLOO, GRPO, Dr. GRPO, REINFORCE++, KL as a loss, clip
-variants, replay of older batches) are switches, each a few lines next to the formula it changes.
+variants, CISPO, SAPO, GSPO, replay of older batches, the sampler's mismatch corrected) are switches,
+each a few lines next to the formula it changes.
 Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF), Huang et
 al. 2024 ("The N+ implementation details of RLHF with PPO"); names as TRL's. Differs from TRL on
 purpose: the score lands on the last real response token (TRL: one past it), every forward gets
@@ -168,6 +169,24 @@ class Args:
     """ε_high (clip-higher, DAPO); unset: ε"""
     dual_clip: Optional[float] = None
     """c > 1: where A < 0 a token's loss is at most c·|A| (dual clip); unset: off"""
+    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"
+    """clip: PPO's; cispo: MiniMax-M1's truncated weight; sapo: Qwen's soft gate (these two: no ratio hint)"""
+    cispo_max: float = 5.0
+    """the cap of CISPO's weight sg(min(ρ, c)) (ScaleRL's 5)"""
+    sapo_temperature_pos: float = 1.0
+    """τ of SAPO's gate σ(τ(ρ − 1)) where A > 0"""
+    sapo_temperature_neg: float = 1.05
+    """τ of SAPO's gate where A <= 0"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """sequence: GSPO's one ratio per response (value-free; its paper clips ε 3e-4, ε_high 4e-4)"""
+    off_policy_mask_threshold: Optional[float] = None
+    """δ: responses with A < 0 and mean_t log(μ/π_θ) > δ leave the policy loss (DeepSeek-V3.2)"""
+    filter_zero_std_groups: bool = False
+    """groups whose scores all equal leave the loss (A = 0 there, yet they dilute the token mean)"""
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    """weight L_clip by w = π_old/μ, the sampler's mismatch (bf16/fp16), per token or response (rollout_weights)"""
+    rollout_correction_cap: float = 3.0
+    """C of --rollout_correction: min(w, C) (truncate) or 0 where w > C (mask)"""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """how the policy, KL and entropy terms average over a minibatch (aggregate)"""
     entropy_coef: float = 0.0
@@ -232,12 +251,6 @@ def masked_mean(x, mask):
     return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
 
 
-def masked_var(x, mask):
-    """Unbiased variance of the real entries."""
-    n = mask.sum()
-    return masked_mean((x - masked_mean(x, mask)) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0 for one
-
-
 def masked_whiten(x, mask, mean, var, shift_mean=True):
     """(x − μ) / σ on the real entries, 0 elsewhere (shift_mean=False keeps μ). μ, σ²: under
     torchrun the global batch's (global_mean_var), so that every rank whitens alike."""
@@ -297,11 +310,6 @@ def running_moments(moments, mean, var, n):
     return (total, running_mean + delta * n / total, m2), std
 
 
-def has_value_model(advantage_estimator):
-    """PPO's GAE learns a value model V(s_t); the other estimators are value-free (baselined_scores)."""
-    return advantage_estimator == "gae"
-
-
 UNGROUPED, GROUP_NORMALISED = ("gae", "reinforce_pp"), ("rloo", "grpo", "dr_grpo")  # the rest: whitened
 
 
@@ -341,28 +349,34 @@ def gae(rewards, values, response_mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, cliprange, cliprange_high=None, dual_clip=None):
-    """Per token max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), at most c·|A| where A < 0 (dual clip). -> it
-    (B, T); per token: ρ, approx KL (ρ − 1) − log ρ, clipped, dual-clipped (None: off), outside."""
+def response_mean(x, mask):
+    """mean_t x over each response's real tokens: (B, T) -> (B, 1); 0 for a response of none."""
+    return torch.where(mask, x, 0.0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, args):
+    """Per token, of ρ = π_θ/π_old (--policy_loss): clip max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), at most
+    c·|A| where A < 0 (dual clip); cispo −sg(min(ρ, c))·A·log π_θ (MiniMax-M1); sapo −σ(τ(ρ − 1))·(4/τ)·A
+    with τ = τ+ where A > 0, else τ− (SAPO, Qwen). sequence: ρ is GSPO's s_i = exp(mean_t log ρ_t) of
+    the response, its gradient on every token. -> it (B, T); per token: ρ, approx KL (ρ − 1) − log ρ,
+    clipped (cispo: capped), dual-clipped (None: off), outside [1 − ε, 1 + ε_high]."""
     log_ratio = logprobs - old_logprobs
+    if args.importance_sampling_level == "sequence":  # the value log s_i on every token, the gradient ∇log π_θ(y_t)
+        log_ratio = response_mean(log_ratio, mask).detach() + logprobs - logprobs.detach()
     ratio = log_ratio.exp()
-    low, high = 1.0 - cliprange, 1.0 + (cliprange_high or cliprange)
+    low, high = 1.0 - args.cliprange, 1.0 + (args.cliprange_high or args.cliprange)
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(low, high)
-    loss, dual_clipped = torch.max(unclipped, clipped), None
-    if dual_clip is not None:
-        dual_clipped = (advantages < 0) & (loss > -dual_clip * advantages)
-        loss = torch.where(dual_clipped, -dual_clip * advantages, loss)
-    return loss, dict(ratio=ratio, approxkl=(ratio - 1) - log_ratio, clipped=clipped > unclipped,
+    loss, is_clipped, dual_clipped = torch.max(unclipped, clipped), clipped > unclipped, None
+    if args.policy_loss == "cispo":  # every token keeps its gradient; only the weight is capped
+        loss, is_clipped = -ratio.clamp(max=args.cispo_max).detach() * advantages * logprobs, ratio > args.cispo_max
+    if args.policy_loss == "sapo":  # a soft gate in place of the clip, of slope 1 at ρ = 1
+        tau = torch.where(advantages > 0, *ratio.new_tensor([args.sapo_temperature_pos, args.sapo_temperature_neg]))
+        loss, is_clipped = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, torch.zeros_like(is_clipped)
+    if args.dual_clip is not None:
+        dual_clipped = (advantages < 0) & (loss > -args.dual_clip * advantages)
+        loss = torch.where(dual_clipped, -args.dual_clip * advantages, loss)
+    return loss, dict(ratio=ratio, approxkl=(ratio - 1) - log_ratio, clipped=is_clipped,
                       dual_clipped=dual_clipped, outside=(ratio < low) | (ratio > high))
-
-
-def ratio_stats(tokens, mask):
-    """policy_loss's token statistics as means over the real tokens, under TRL's names."""
-    names = {"clipped": "policy/clipfrac_avg", "approxkl": "policy/approxkl_avg", "ratio": "val/ratio",
-             "outside": "policy/ratio_outside_clip_avg", "dual_clipped": "policy/dual_clipfrac_avg"}
-    ratio = tokens["ratio"]
-    stats = {names[k]: masked_mean(x.to(ratio.dtype), mask) for k, x in tokens.items() if x is not None}
-    return dict(stats, **{"val/ratio_var": masked_var(ratio, mask)})
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value):
@@ -440,22 +454,6 @@ def state_values(value_model, query_responses, attention_mask, context_length):
     return forward(value_model, query_responses[:, :-1], attention_mask[:, :-1], R)
 
 
-class PolicyAndValue(torch.nn.Module):
-    """The trained models as one module (DDP averages their gradients in one pass; no V: π)."""
-
-    def __init__(self, policy, value_model, fused_head=False):
-        super().__init__()
-        self.policy, self.value_model, self.fused_head = policy, value_model, fused_head  # fused: hidden
-
-    def forward(self, query_responses, attention_mask, context_length, temperature):  # -> (B, R) x 3
-        head = self.policy.get_output_embeddings() if self.fused_head else None
-        logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length,
-                                              temperature, head)  # log π_θ(y_t|s_t), its entropy
-        values = None if self.value_model is None else state_values(self.value_model, query_responses,
-                                                                    attention_mask, context_length)  # V(s_t)
-        return logprobs, entropy, values  # values None: a value-free advantage estimator
-
-
 # ------------------------------------------------------------------------------ rollout and scoring
 def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
     """This rank's prompts for update `update`: the next world_size x batch_size of an endless
@@ -530,12 +528,6 @@ def response_chunks(batch, chunk):
         yield rows, L, batch["query_responses"][rows, :width], batch["attention_mask"][rows, :width]
 
 
-def trainer_state(updates_done, sizes, args, prompts):
-    """TRL's trainer_state for reward functions: updates done, in the run, passes over prompts."""
-    epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
-    return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
-
-
 def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
     """Phase 2: no-grad forwards of the frozen models -> ref_logprobs, values (B, R), completions,
     source_scores (B, S; NaN: None), raw_scores Σ w·s (B,). scores_only: reward sources only."""
@@ -575,7 +567,7 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
 def advantages_and_returns(rewards, values, mask, args):
     """Phase 4: A_t, R_t = A_t + V_t by GAE (value-free: V = 0, λ = 1, the reward-to-go), whitened
     over the global batch except group baselines. (B, R) -> (B, R), (B, R)."""
-    lam = args.lam if has_value_model(args.advantage_estimator) else 1.0
+    lam = args.lam if args.advantage_estimator == "gae" else 1.0  # GAE's V; the others are value-free
     advantages, returns = gae(rewards, values, mask, args.gamma, lam)
     if args.advantage_estimator not in GROUP_NORMALISED:
         advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
@@ -600,7 +592,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
             for i, rows in enumerate(micro_batches):
                 L = lengths[rows].max().item()  # pay only for real tokens
                 mb = {k: batch[k][rows, :L] for k in ("logprobs", "ref_logprobs", "values", "advantages",
-                                                      "returns", "weights") if k in batch}  # (b, L)
+                                                      "returns", "weights", "sampler_logprobs") if k in batch}
                 mb.update({"age": batch["age"][rows]} if "age" in batch else {})  # replay_batch's
                 mb["response_mask"] = batch["loss_mask"][rows, :L]  # the tokens in the loss
                 # the whole minibatch's loss on all ranks: this micro-batch's share of its tokens
@@ -648,9 +640,13 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     and L_V (None without V). -> those, the named losses, policy_loss's token statistics."""
     mask = mb["response_mask"]
     agg = lambda x: aggregate(x, mask, args.loss_agg, args.response_length)  # noqa: E731
-    pg_tokens, tokens = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], args.cliprange,
-                                    args.cliprange_high, args.dual_clip)
-    policy_term = agg(mb.get("weights", 1.0) * pg_tokens)  # decoupled replay's weights: on L_clip only
+    pg_tokens, tokens = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], mask, args)
+    weights = mb.get("weights", 1.0)  # replay_batch's: --rollout_correction, decoupled replay
+    if args.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: A < 0 and far from μ: out
+        drift = response_mean(mb["sampler_logprobs"] - new_logprobs.detach(), mask)  # (b, 1)
+        tokens["off_policy_masked"] = out = (mb["advantages"] < 0) & (drift > args.off_policy_mask_threshold)
+        weights = weights * ~out
+    policy_term = agg(weights * pg_tokens)  # the weights act on L_clip only
     losses = {"loss/policy_avg": policy_term}
     if args.kl_in == "loss" and kl_coef:  # a gradient through π_θ
         losses["loss/kl_avg"] = kl_loss = agg(kl_estimate(new_logprobs, mb["ref_logprobs"], args.kl_estimator))
@@ -726,6 +722,9 @@ def main(args: Args):
         # 4. advantages: GAE, whitened over the global batch (value-free: the reward-to-go)
         advantages, returns = advantages_and_returns(rewards, batch["values"], mask, args)
         loss_mask = mask & ~batch["truncated"][:, None] if args.mask_truncated_completions else mask
+        if args.filter_zero_std_groups:  # a group of equal scores has A = 0, yet it dilutes the mean
+            groups = scores.view(-1, args.num_generations)
+            loss_mask = loss_mask & (groups.std(1) > 0).repeat_interleave(args.num_generations)[:, None]
         batch.update(scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
                      kl_coef=kl_coef, reward_kl_coef=reward_kl_coef, loss_mask=loss_mask)
 
@@ -737,7 +736,7 @@ def main(args: Args):
         with warnings.catch_warnings():  # no warning if no step was taken
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
             lr_scheduler.step()
-        progress["bad_updates"] = count_bad_updates(progress["bad_updates"], trained.stop_reason, update, log)
+        progress["bad_updates"] = log.count_bad_updates(progress["bad_updates"], trained.stop_reason, update)
         log.lap("train")
 
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
@@ -773,7 +772,7 @@ FLAG_RANGES = {
              " num_mini_batches num_ppo_epochs response_length local_rollout_forward_batch_size"
              " total_episodes num_generations adaptive_kl_horizon".split()),
     "> 0": (lambda v: v > 0, "temperature cliprange cliprange_value max_grad_norm dist_timeout_s"
-            " lora_alpha".split()),
+            " lora_alpha cispo_max sapo_temperature_pos sapo_temperature_neg rollout_correction_cap".split()),
     ">= 0": (lambda v: v >= 0, "learning_rate kl_coef vf_coef save_every save_total_limit"
              " num_sample_generations lora_r eval_temperature overlong_buffer health_window"
              " replay_rounds".split()),
@@ -785,7 +784,39 @@ FLAG_RANGES = {
     "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
                                                 ["stop_token_id"]),
     "a finite number (or unset)": (lambda v: True, "missing_eos_penalty entropy_coef length_penalty"
-                                   " overlong_penalty".split()),
+                                   " overlong_penalty off_policy_mask_threshold".split()),
+}
+# What check_args refuses of flags together: {the error: when}.
+FLAG_CONFLICTS = {
+    "--ref_model_path is unused: --kl_coef 0 has no KL term": lambda a: a.ref_model_path and a.kl_coef == 0,
+    "--ref_model_path is unused with --lora_r: the reference is the policy, adapter off":
+        lambda a: a.ref_model_path and a.lora_r,
+    "--merge_lora and --lora_target_modules need --lora_r > 0":
+        lambda a: (a.merge_lora or a.lora_target_modules) and not a.lora_r,
+    "--replay_rounds N > 0 and --replay_correction naive|decoupled go together":
+        lambda a: bool(a.replay_rounds) != (a.replay_correction is not None),
+    "--replay_weight_cap needs --replay_correction decoupled (it caps its weights)":
+        lambda a: a.replay_weight_cap is not None and a.replay_correction != "decoupled",
+    "--warmup_ratio needs --lr_scheduler_type linear or cosine (constant has no warmup)":
+        lambda a: a.lr_scheduler_type == "constant" and a.warmup_ratio,  # transformers' ignores warmup
+    # E_π_old[∇k1] = −∇KL(π_old‖π_θ): nothing toward π_ref
+    "--kl_estimator k1 with --kl_in loss pulls nothing toward π_ref: give k3 or k2":
+        lambda a: a.kl_in == "loss" and a.kl_estimator == "k1",
+    "--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0":
+        lambda a: a.adaptive_kl_target is not None and a.kl_coef == 0,
+    "--dual_clip bounds the clipped surrogate: it needs --policy_loss clip":
+        lambda a: a.dual_clip is not None and a.policy_loss != "clip",
+    "--importance_sampling_level sequence needs a value-free --advantage_estimator (gae's A is per token), "
+    "--policy_loss clip or sapo, no --dual_clip": lambda a: a.importance_sampling_level == "sequence" and (
+        a.advantage_estimator == "gae" or a.policy_loss == "cispo" or a.dual_clip is not None),
+    "--off_policy_mask_threshold needs a value-free --advantage_estimator (it judges whole responses)":
+        lambda a: a.off_policy_mask_threshold is not None and a.advantage_estimator == "gae",
+    "--filter_zero_std_groups needs a group --advantage_estimator: rloo, grpo, dr_grpo or reinforce_pp_baseline":
+        lambda a: a.filter_zero_std_groups and a.advantage_estimator in UNGROUPED,
+    "--rollout_correction needs --dtype bf16 or fp16: in fp32 the sampler's μ is π_old itself (w = 1)":
+        lambda a: a.rollout_correction != "none" and a.dtype == "fp32",
+    "--rollout_correction with --replay_rounds: replay's μ is the sampler's, --replay_correction decoupled "
+    "weights every row by π_prox/μ already": lambda a: a.rollout_correction != "none" and a.replay_rounds,
 }
 
 
@@ -833,27 +864,14 @@ def check_args(args):
     if args.advantage_estimator not in UNGROUPED and args.num_generations == 1:  # a group of one
         fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one "
              "prompt: give --num_generations >= 2")
-    if args.value_model_path and not has_value_model(args.advantage_estimator):
+    if args.value_model_path and args.advantage_estimator != "gae":
         fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has "
              "no value model")
-    if args.ref_model_path and args.kl_coef == 0:
-        fail("--ref_model_path is unused: --kl_coef 0 has no KL term")
-    if args.ref_model_path and args.lora_r:
-        fail("--ref_model_path is unused with --lora_r: the reference is the policy, adapter off")
-    if (args.merge_lora or args.lora_target_modules) and not args.lora_r:
-        fail("--merge_lora and --lora_target_modules need --lora_r > 0")
+    for message, refused in FLAG_CONFLICTS.items():
+        if refused(args):
+            fail(message)
     if args.overlong_buffer > args.response_length:
         fail(f"--overlong_buffer {args.overlong_buffer} is over --response_length {args.response_length}")
-    if bool(args.replay_rounds) != (args.replay_correction is not None):
-        fail("--replay_rounds N > 0 and --replay_correction naive|decoupled go together")
-    if args.replay_weight_cap is not None and args.replay_correction != "decoupled":
-        fail("--replay_weight_cap needs --replay_correction decoupled (it caps its weights)")
-    if args.lr_scheduler_type == "constant" and args.warmup_ratio:  # transformers' ignores warmup
-        fail("--warmup_ratio needs --lr_scheduler_type linear or cosine (constant has no warmup)")
-    if args.kl_in == "loss" and args.kl_estimator == "k1":  # E_π_old[∇k1] = −∇KL(π_old‖π_θ): not toward π_ref
-        fail("--kl_estimator k1 with --kl_in loss pulls nothing toward π_ref: give k3 or k2")
-    if args.adaptive_kl_target is not None and args.kl_coef == 0:
-        fail("--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0")
     if args.total_episodes < sizes.batch_size:
         fail(f"--total_episodes {args.total_episodes} is less than one rollout batch "
              f"({sizes.batch_size} over all ranks)")
@@ -1026,6 +1044,12 @@ def check_context(model, config, tokens, what, fix):
 
 
 # -------------------------------------------------------------------------- the held-out evaluation
+def trainer_state(updates_done, sizes, args, prompts):
+    """TRL's trainer_state for reward functions: updates done, in the run, passes over prompts."""
+    epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
+    return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
+
+
 def evaluate(models, prompts, update, args, rt, trainer_state):
     """Held-out evaluation, its own random stream -> eval/ metrics (all ranks), samples."""
     n = len(prompts.ids)
@@ -1081,13 +1105,18 @@ REPLAY_KEYS = ("query_responses", "attention_mask", "response_mask", "loss_mask"
 
 
 def replay_batch(progress, batch, update, models, args, rt):
-    """This update's rows: the fresh batch and the last N (π_prox, V, GAE of now), one width."""
+    """This update's rows: the fresh batch and the last N (π_prox, V, GAE of now), one width,
+    and their weights on L_clip: --rollout_correction's, or decoupled replay's (the same formula)."""
+    if args.rollout_correction != "none":  # the sampler's μ is not quite π_old (bf16/fp16 recompute)
+        batch["weights"] = rollout_weights(batch["logprobs"], batch["sampler_logprobs"], batch["response_mask"],
+                                           args.rollout_correction, args.rollout_correction_cap)
     if not args.replay_rounds:
         return batch
-    fresh = dict({k: batch[k] for k in (*REPLAY_KEYS, "context_length")}, update=update)
+    fresh = dict({k: batch[k] for k in (*REPLAY_KEYS, "context_length")}, update=update,
+                 logprobs=batch["sampler_logprobs"])  # μ: the sampler's
     old = progress["replay"]
     progress["replay"] = [*old, fresh][-args.replay_rounds:]
-    parts = [dict(fresh, prox=batch["logprobs"], values=batch["values"])]  # π_prox = μ
+    parts = [dict(fresh, prox=batch["logprobs"], values=batch["values"])]  # π_prox = π_old
     for b in old:  # π_prox: the policy now, at the start of the update
         prox, values = prox_and_values(models, b, args, rt)
         parts.append(dict(b, prox=prox, values=values))
@@ -1104,7 +1133,7 @@ def replay_batch(progress, batch, update, models, args, rt):
     train.update(context_length=P, kl_coef=batch["kl_coef"], age=age)
     mask, age, prox, mu = train["response_mask"], age[:, None], train["prox"], train["logprobs"]
     advantages, train["returns"] = advantages_and_returns(train["rewards"], train["values"], mask, args)
-    if has_value_model(args.advantage_estimator):  # with today's V; value-free rows keep their batch's advantages
+    if args.advantage_estimator == "gae":  # with today's V; value-free rows keep their batch's advantages
         train["advantages"] = advantages
     # how stale the rows are (k3: KL(μ‖π_prox); π_prox/μ before the cap, the share above it), each
     # Σ x·m / Σ m over all ranks (0 / 0: NaN)
@@ -1119,16 +1148,20 @@ def replay_batch(progress, batch, update, models, args, rt):
     weight_max = max(all_ranks_objects(torch.where(replayed, weight, -math.inf).max().item()))
     batch["replay_metrics"] = {**dict(zip(ratios, (sums[::2] / sums[1::2]).tolist())),
                                "replay/weight_max": weight_max}
-    if args.replay_correction == "decoupled":  # clip around π_prox, token weight π_prox/μ (0 above c)
-        train["weights"] = decoupled_weights(prox, mu, cap)
+    train["sampler_logprobs"] = mu  # (--off_policy_mask_threshold)
+    if args.replay_correction == "decoupled":  # clip around π_prox (Hilton et al. 2021), weight π_prox/μ,
+        train["weights"] = rollout_weights(prox, mu, mask, "token_mask", cap)  # 0 above c as AReaL
         train["logprobs"] = prox  # the ratio's denominator
     return train
 
 
-def decoupled_weights(prox_logprobs, behaviour_logprobs, cap):
-    """Decoupled PPO's weight π_prox/μ (Hilton et al. 2021), 0 above the cap c: AReaL masks those."""
-    weight = (prox_logprobs - behaviour_logprobs).exp()
-    return torch.where(weight <= cap, weight, 0.0)
+def rollout_weights(logprobs, sampler_logprobs, mask, mode, cap):
+    """A weight on each token's policy loss for the sampler's mismatch (TRL's vLLM importance
+    sampling): w = π/μ per token (token_*) or exp(Σ_t log w_t) per response (sequence_*), then
+    min(w, C) (truncate) or 0 where w > C (mask). (B, T) -> (B, T)."""
+    log_w = torch.where(mask, logprobs - sampler_logprobs, 0.0)
+    w = (log_w.sum(-1, keepdim=True) if mode.startswith("sequence") else log_w).exp().expand_as(log_w)
+    return w.clamp(max=cap) if mode.endswith("truncate") else torch.where(w <= cap, w, 0.0)
 
 
 def prox_and_values(models, b, args, rt):
@@ -1257,7 +1290,7 @@ def load_models(args, model_path, inputs, rt):
 
 def load_value_model(args, model_path, inputs, dtype, rt):
     """The value model (fp32), where it came from, its path; none without GAE."""
-    if not has_value_model(args.advantage_estimator):
+    if args.advantage_estimator != "gae":
         return None, f"no value model (--advantage_estimator {args.advantage_estimator})", None
     shared = inputs.reward_tokenizers[:1] == [None]  # reward model 1 reads the policy's ids
     value_path = args.value_model_path or (args.reward_model_path[0] if shared else model_path)
@@ -1635,6 +1668,22 @@ def global_mean_var(x, mask):
     return mean, all_ranks_sum(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
 
 
+class PolicyAndValue(torch.nn.Module):
+    """The trained models as one module (DDP averages their gradients in one pass; no V: π)."""
+
+    def __init__(self, policy, value_model, fused_head=False):
+        super().__init__()
+        self.policy, self.value_model, self.fused_head = policy, value_model, fused_head  # fused: hidden
+
+    def forward(self, query_responses, attention_mask, context_length, temperature):  # -> (B, R) x 3
+        head = self.policy.get_output_embeddings() if self.fused_head else None
+        logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length,
+                                              temperature, head)  # log π_θ(y_t|s_t), its entropy
+        values = None if self.value_model is None else state_values(self.value_model, query_responses,
+                                                                    attention_mask, context_length)  # V(s_t)
+        return logprobs, entropy, values  # values None: a value-free advantage estimator
+
+
 def wrap_for_training(models, args, rt):
     """Policy and value as one PolicyAndValue; under torchrun DDP or FSDP2."""
     trained = [m for m in (models.policy, models.value_model) if m is not None]
@@ -1952,17 +2001,6 @@ def default_output_dir(args):
     return f"runs/{prefix}{int(time.time())}"
 
 
-def count_bad_updates(bad_updates, stop_reason, update, log):
-    """A non-finite loss or gradient skips the update; three in a row stop the run."""
-    if stop_reason not in ("non-finite loss", "non-finite gradient"):
-        return 0
-    log.print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr)
-    if bad_updates + 1 >= 3:
-        fail(f"{bad_updates + 1} updates in a row had a non-finite loss or gradient; lower --learning_rate, "
-             "check the reward scale, or use --dtype fp32")
-    return bad_updates + 1
-
-
 def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models, log):
     """Every --save_every updates, or after a signal: all a run needs. -> whether to stop."""
     stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
@@ -2021,6 +2059,22 @@ def say(line, file=None):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, (file or sys.stdout).fileno())  # sys.stdout now, not at import
         os.close(devnull)
+
+
+def masked_var(x, mask):
+    """Unbiased variance of the real entries."""
+    n = mask.sum()
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0 for one
+
+
+def ratio_stats(tokens, mask):
+    """policy_loss's token statistics as means over the real tokens, under TRL's names."""
+    names = {"clipped": "policy/clipfrac_avg", "approxkl": "policy/approxkl_avg", "ratio": "val/ratio",
+             "outside": "policy/ratio_outside_clip_avg", "dual_clipped": "policy/dual_clipfrac_avg",
+             "off_policy_masked": "policy/off_policy_masked_frac"}
+    ratio = tokens["ratio"]
+    stats = {names[k]: masked_mean(x.to(ratio.dtype), mask) for k, x in tokens.items() if x is not None}
+    return dict(stats, **{"val/ratio_var": masked_var(ratio, mask)})
 
 
 @torch.no_grad()
@@ -2113,7 +2167,7 @@ def health_hints(window, args, has_stop_token):
     """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}."""
     hints, last, n = {}, window[-1], len(window)
     outside = last.get("replay/outside_clip_fresh", last.get("policy/ratio_outside_clip_avg", 0.0))
-    if outside > 0.5:  # fresh tokens under replay; absent when no minibatch trained
+    if outside > 0.5 and args.policy_loss == "clip":  # fresh tokens under replay; absent if no step
         hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε_high] in this "
                           "update: the policy moves too far per update; lower --learning_rate or --num_ppo_epochs (or "
                           "set --target_kl)")
@@ -2195,6 +2249,16 @@ class Logger:
 
     def start_update(self):
         self.start, self.laps = time.perf_counter(), {}
+
+    def count_bad_updates(self, bad_updates, stop_reason, update):
+        """A non-finite loss or gradient skips the update; three in a row stop the run."""
+        if stop_reason not in ("non-finite loss", "non-finite gradient"):
+            return 0
+        self.print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr)
+        if bad_updates + 1 >= 3:
+            fail(f"{bad_updates + 1} updates in a row had a non-finite loss or gradient; lower --learning_rate, "
+                 "check the reward scale, or use --dtype fp32")
+        return bad_updates + 1
 
     def lap(self, name):
         """Seconds of the phase `name`: since the previous lap, or the update's start."""

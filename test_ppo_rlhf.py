@@ -495,7 +495,7 @@ def test_policy_loss_at_ratio_one():
     advantages = torch.randn(4, 5, dtype=torch.float64, generator=gen)
     mask = random_mask((4, 5), 3)
     new = old.clone().requires_grad_()
-    per_token, tokens = P.policy_loss(new, old, advantages, 0.2)
+    per_token, tokens = P.policy_loss(new, old, advantages, None, P.Args())
     clipfrac, approxkl = (P.ratio_stats(tokens, mask)[k] for k in ("policy/clipfrac_avg", "policy/approxkl_avg"))
     loss = P.aggregate(per_token, mask, "token_mean", 5)
     loss.backward()
@@ -510,7 +510,7 @@ def test_policy_loss_in_the_clipped_regions():
     advantages = torch.tensor([[1.0, -1.0, -1.0, 1.0, 2.0, -2.0]], dtype=torch.float64)
     mask = torch.ones_like(advantages, dtype=torch.bool)
     new = log_ratio.clone().requires_grad_()
-    per_token, tokens = P.policy_loss(new, torch.zeros_like(new), advantages, eps)
+    per_token, tokens = P.policy_loss(new, torch.zeros_like(new), advantages, None, P.Args(cliprange=eps))
     clipfrac, approxkl = (P.ratio_stats(tokens, mask)[k] for k in ("policy/clipfrac_avg", "policy/approxkl_avg"))
     loss = per_token.mean()
     loss.backward()
@@ -530,7 +530,8 @@ def test_clip_higher_and_dual_clip():
     advantages = torch.tensor([[1.0, -1.0, -1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
     mask = torch.ones_like(advantages, dtype=torch.bool)
     new = ratio.log().requires_grad_()
-    per_token, tokens = P.policy_loss(new, torch.zeros_like(new), advantages, 0.2, cliprange_high=0.28, dual_clip=3.0)
+    per_token, tokens = P.policy_loss(new, torch.zeros_like(new), advantages, None,
+                                      P.Args(cliprange_high=0.28, dual_clip=3.0))
     stats = P.ratio_stats(tokens, mask)
     clipfrac, dual_clipfrac = stats["policy/clipfrac_avg"], stats["policy/dual_clipfrac_avg"]
     # ρ 1.25 < 1.28 is inside the clip for A > 0 (ε_high); A < 0, ρ 2.5 and 5: −ρ·A = 2.5 and 5, capped at c·|A| = 3
@@ -538,8 +539,112 @@ def test_clip_higher_and_dual_clip():
     assert clipfrac == pytest.approx(2 / 6) and dual_clipfrac == pytest.approx(1 / 6)
     per_token.sum().backward()
     assert new.grad[0, 4] == 0 and new.grad[0, 3] != 0  # the capped token has no gradient
-    symmetric = P.policy_loss(new, torch.zeros_like(new), advantages, 0.2)[0]
+    symmetric = P.policy_loss(new, torch.zeros_like(new), advantages, None, P.Args())[0]
     assert symmetric[0, [0, 4]].tolist() == pytest.approx([-1.2, 5.0])  # without them: clipped at 1 + ε, uncapped
+
+
+def ragged_losses_inputs(seed=3):
+    """float64 (B, T) = (5, 6) log-probs with ragged masks, ratios in and far outside the clip, advantages of both
+    signs (per response, as the value-free estimators give them), and a sampler's μ near π_old."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.arange(6) < torch.tensor([6, 2, 4, 1, 5])[:, None]
+    old = -torch.rand(5, 6, dtype=torch.float64, generator=gen) * 3
+    new = old + 0.4 * torch.randn(5, 6, dtype=torch.float64, generator=gen)
+    new[0, 1], new[2, 0] = old[0, 1] + 2.0, old[2, 0] - 2.0  # ρ = 7.4 and 0.14
+    advantages = torch.tensor([1.5, -0.7, -2.0, 0.3, 0.0], dtype=torch.float64)[:, None].expand(5, 6).clone()
+    mu = old + 0.05 * torch.randn(5, 6, dtype=torch.float64, generator=gen)
+    return mask, old, new, advantages, mu
+
+
+def test_cispo_and_sapo_against_their_formulas_per_token():
+    """CISPO: −sg(min(ρ, c))·A·log π_θ, so ∂/∂log π_θ = −min(ρ, c)·A on every token, a capped one included (the
+    clip would give it none); SAPO: −σ(τ(ρ − 1))·(4/τ)·A with τ = τ+ where A > 0, else τ−, so ∂/∂log π_θ =
+    −4·σ·(1 − σ)·ρ·A: slope −A at ρ = 1, as the clip's inside. The capped share is CISPO's clip fraction."""
+    mask, old, new, advantages, _ = ragged_losses_inputs()
+    for kind in ("cispo", "sapo"):
+        args = P.Args(policy_loss=kind, cispo_max=2.5, sapo_temperature_pos=1.3, sapo_temperature_neg=0.6)
+        new_ = new.clone().requires_grad_()
+        per_token, tokens = P.policy_loss(new_, old, advantages, mask, args)
+        grad, = torch.autograd.grad(per_token[mask].sum(), new_)
+        for i, t in zip(*torch.nonzero(mask, as_tuple=True)):
+            rho, a, logp = math.exp(new[i, t] - old[i, t]), advantages[i, t].item(), new[i, t].item()
+            if kind == "cispo":
+                loss, slope = -min(rho, 2.5) * a * logp, -min(rho, 2.5) * a
+            else:
+                tau = 1.3 if a > 0 else 0.6
+                sigma = 1 / (1 + math.exp(-tau * (rho - 1)))
+                loss, slope = -sigma * 4 / tau * a, -4 * sigma * (1 - sigma) * rho * a
+            assert per_token[i, t].item() == pytest.approx(loss, abs=1e-12)
+            assert grad[i, t].item() == pytest.approx(slope, abs=1e-12)
+        if kind == "cispo":
+            assert torch.equal(tokens["clipped"], (new - old).exp() > 2.5) and tokens["clipped"][mask].any()
+            assert grad[0, 1] != 0  # ρ = 7.4: capped, not cut off
+    at_one = P.policy_loss(old.clone().requires_grad_(), old, advantages, mask, P.Args(policy_loss="sapo"))[0]
+    assert torch.allclose(at_one, -advantages * 4 * 0.5 / torch.where(advantages > 0, 1.0, 1.05).double())
+
+
+def test_gspo_uses_one_ratio_per_response_with_per_token_gradients():
+    """--importance_sampling_level sequence: s_i = exp(mean_t log ρ_{i,t}) over the response's real tokens is the
+    ratio of each of its tokens, clipped as the token ratio would be; ∂L/∂log π_θ(y_t) = −A·s_i on every token of
+    an unclipped response (the token form sg(s_i)·π_θ/sg(π_θ)), 0 on a clipped one; the statistics are s_i's."""
+    mask, old, new, advantages, _ = ragged_losses_inputs()
+    args = P.Args(importance_sampling_level="sequence", cliprange=0.2, cliprange_high=0.28)
+    new_ = new.clone().requires_grad_()
+    per_token, tokens = P.policy_loss(new_, old, advantages, mask, args)
+    grad, = torch.autograd.grad(per_token[mask].sum(), new_)
+    for i in range(5):
+        real = mask[i]
+        s = math.exp((new[i, real] - old[i, real]).mean().item())
+        a = advantages[i, 0].item()
+        loss = max(-s * a, -min(max(s, 0.8), 1.28) * a)
+        clipped = -min(max(s, 0.8), 1.28) * a > -s * a
+        assert per_token[i, real].tolist() == pytest.approx([loss] * int(real.sum()), abs=1e-12)
+        assert tokens["ratio"][i, real].tolist() == pytest.approx([s] * int(real.sum()), abs=1e-12)
+        assert grad[i, real].tolist() == pytest.approx([0.0 if clipped else -a * s] * int(real.sum()), abs=1e-12)
+        assert bool(tokens["clipped"][i, real].all()) == clipped and bool(tokens["outside"][i, 0]) == (
+            not 0.8 <= s <= 1.28)
+    token_level = P.policy_loss(new, old, advantages, mask, P.Args(cliprange_high=0.28))[1]["ratio"]
+    assert not torch.allclose(token_level[mask], tokens["ratio"][mask])
+
+
+def test_rollout_weights_per_token_and_per_response():
+    """w = π_old/μ per token, or exp(Σ_t log w_t) over each response's real tokens; truncate: min(w, C); mask: 0
+    where w > C (TRL's vllm_importance_sampling_mode values)."""
+    mask, old, _, _, mu = ragged_losses_inputs()
+    mu[1, 0] = old[1, 0] - 2.0  # w = 7.4 on one token of a two-token response
+    w = (old - mu).exp()
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        weights = P.rollout_weights(old, mu, mask, mode, 3.0)
+        for i in range(5):
+            for t in range(int(mask[i].sum())):
+                x = math.exp((old[i, mask[i]] - mu[i, mask[i]]).sum().item()) if mode[0] == "s" else w[i, t].item()
+                expected = min(x, 3.0) if mode.endswith("truncate") else (x if x <= 3.0 else 0.0)
+                assert weights[i, t].item() == pytest.approx(expected, abs=1e-12), (mode, i, t)
+    assert P.rollout_weights(old, mu, mask, "sequence_mask", 3.0)[1, :2].tolist() == [0.0, 0.0]
+    assert P.rollout_weights(old, old, mask, "token_truncate", 3.0).unique().tolist() == [1.0]  # fp32: μ = π_old
+
+
+def test_the_off_policy_mask_drops_negative_responses_that_drifted_from_the_sampler():
+    """--off_policy_mask_threshold δ (DeepSeek-V3.2): a response with A < 0 whose mean_t(log μ − log π_θ) > δ
+    leaves the policy term (not its denominator); A ≥ 0 or a drift ≤ δ stays; KL and entropy stay; the share is
+    policy/off_policy_masked_frac."""
+    mask, old, new, advantages, mu = ragged_losses_inputs()
+    drift = torch.where(mask, mu - new, 0.0).sum(1) / mask.sum(1)
+    delta = drift[1:3].min().item() - 1e-3  # responses 1 and 2 (A < 0) drift past δ
+    assert (drift[[0, 3]] > delta).any()  # a drifted response with A > 0 stays
+    mb = {"response_mask": mask, "logprobs": old, "advantages": advantages, "ref_logprobs": old - 0.1,
+          "sampler_logprobs": mu}
+    args = P.Args(off_policy_mask_threshold=delta, kl_in="loss", kl_estimator="k3", entropy_coef=0.1)
+    entropy = torch.rand(5, 6, dtype=torch.float64)
+    term, _, _, tokens = P.ppo_loss(new, entropy, None, mb, 0.2, args)
+    out = (advantages[:, 0] < 0) & (drift > delta)
+    keep = mask & ~out[:, None]
+    pg = P.policy_loss(new, old, advantages, mask, args)[0]
+    kl = P.kl_estimate(new, mb["ref_logprobs"], "k3")
+    expected = (pg[keep].sum() + 0.2 * kl[mask].sum() - 0.1 * entropy[mask].sum()) / mask.sum()
+    assert out.tolist() == [False, True, True, False, False] and torch.allclose(term, expected)
+    assert P.ratio_stats(tokens, mask)["policy/off_policy_masked_frac"] == pytest.approx(
+        (mask & out[:, None]).sum().item() / mask.sum().item())
 
 
 def test_loss_aggregation_on_ragged_lengths():
@@ -614,7 +719,7 @@ def test_ppo_loss_adds_the_kl_and_entropy_terms_with_their_gradients():
         args = P.Args(kl_in="loss", kl_estimator="k3", entropy_coef=0.3, loss_agg=loss_agg, response_length=5)
         term, vf_loss, losses, _ = P.ppo_loss(logprobs, entropy, None, mb, 0.2, args)
         agg = lambda x: P.aggregate(x, mask, loss_agg, 5)  # noqa: E731
-        pg = agg(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], 0.2)[0])
+        pg = agg(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], None, P.Args())[0])
         kl = agg(P.kl_estimate(logprobs, mb["ref_logprobs"], "k3"))
         assert vf_loss is None and torch.allclose(term, pg + 0.2 * kl - 0.3 * agg(entropy))
         assert torch.allclose(losses["loss/kl_avg"], kl) and torch.allclose(losses["loss/policy_avg"], pg)
@@ -626,8 +731,8 @@ def test_ppo_loss_adds_the_kl_and_entropy_terms_with_their_gradients():
         d_pg = torch.where((ratio - 1).abs() < 0.2, -mb["advantages"] * ratio, 0.0)  # the clip is not active here
         assert torch.allclose(d_logprobs, weights * (d_pg + 0.2 * (1 - log_ratio.exp())))
     off = P.ppo_loss(logprobs, entropy, None, mb, 0.2, P.Args())[0]  # KL in the reward, no entropy bonus
-    assert torch.allclose(off, P.aggregate(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], 0.2)[0],
-                                           mask, "token_mean", 5))
+    pg = P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], None, P.Args())[0]
+    assert torch.allclose(off, P.aggregate(pg, mask, "token_mean", 5))
 
 
 def test_the_decoupled_loss_against_a_per_token_formula():
@@ -645,7 +750,7 @@ def test_the_decoupled_loss_against_a_per_token_formula():
     entropy = torch.rand(4, 6, dtype=torch.float64, generator=gen)
     cap, eps, beta, c_h = 1.5, 0.2, 0.3, 0.05
     mb = {"response_mask": mask, "logprobs": prox, "ref_logprobs": ref, "advantages": advantages, "values": values,
-          "returns": returns, "weights": P.decoupled_weights(prox, mu, cap)}
+          "returns": returns, "weights": P.rollout_weights(prox, mu, mask, "token_mask", cap)}
     args = P.Args(kl_in="loss", kl_estimator="k3", entropy_coef=c_h, cliprange=eps, response_length=6)
     term, vf_loss, *_ = P.ppo_loss(new, entropy, values + 0.1, mb, beta, args)
     expected, n = 0.0, 0
@@ -663,7 +768,7 @@ def test_the_decoupled_loss_against_a_per_token_formula():
     assert (mb["weights"][mask] == 0).any() and (mb["weights"][mask] > 1).any()  # masked, and weights over 1
     inside_prox = ((new - prox).exp() - 1).abs() < eps
     assert (inside_prox & (((new - mu).exp() - 1).abs() > eps) & mask).any()  # the clip's center matters here
-    fresh = dict(mb, weights=P.decoupled_weights(mu, mu, cap), logprobs=mu)
+    fresh = dict(mb, weights=P.rollout_weights(mu, mu, mask, "token_mask", cap), logprobs=mu)
     plain = dict(mb, logprobs=mu)
     del plain["weights"]
     assert torch.equal(P.ppo_loss(new, entropy, None, fresh, beta, args)[0],
@@ -734,7 +839,7 @@ def test_everything_after_the_stop_token_is_masked_out():
         rewards = P.per_token_rewards(torch.tensor([1.0, -1.0, 0.5]), kl, mask, 0.1)
         advantages, returns = P.gae(rewards, values, mask, 1.0, 0.95)
         advantages = P.masked_whiten(advantages, mask, *P.global_mean_var(advantages, mask))
-        per_token, tokens = P.policy_loss(new_logp, logp, advantages, 0.2, 0.3, 1.5)
+        per_token, tokens = P.policy_loss(new_logp, logp, advantages, None, P.Args(cliprange_high=0.3, dual_clip=1.5))
         pg = list(P.ratio_stats(tokens, mask).values())
         pg += [P.aggregate(per_token, mask, agg, 6) for agg in ("token_mean", "seq_mean_token_mean",
                                                                   "seq_mean_token_sum_norm")]
@@ -1413,8 +1518,10 @@ def test_the_samplers_log_probs_are_kept_beside_the_recompute_and_their_mismatch
                                                                                            monkeypatch, dtype):
     """Under --dtype bf16 score() recomputes log π_old with the training forward (the first ratio is 1) and keeps the
     sampler's μ beside it: rollout/mismatch_kl is the k3 KL(μ‖π_old) per token, rollout/mismatch_outside_frac the
-    share of tokens with w = π_old/μ outside [0.9, 1.1]. Under fp32 μ is π_old (no recompute, no metric)."""
+    share of tokens with w = π_old/μ outside [0.9, 1.1]. Under fp32 μ is π_old (no recompute, no metric). With
+    --rollout_correction token_truncate (bf16) the update weighs each token's policy loss by min(w, C)."""
     sampled, scored, real_rollout, real_score = [], [], P.rollout, P.score
+    calls = spy_on_updates(monkeypatch)
 
     def rollout(*a, **k):
         sampled.append(real_rollout(*a, **k))
@@ -1424,7 +1531,8 @@ def test_the_samplers_log_probs_are_kept_beside_the_recompute_and_their_mismatch
     monkeypatch.setattr(P, "rollout", rollout)
     monkeypatch.setattr(P, "score", lambda *a, **k: scored.append(real_score(*a, **k)) or scored[-1])
     args = run_args(tiny, tmp_path, model_name_or_path=tiny["llama"], reward_model_path=[tiny["llama_rm"]],
-                    dtype=dtype, total_episodes=8, response_length=8, temperature=0.7)
+                    dtype=dtype, total_episodes=8, response_length=8, temperature=0.7,
+                    **(dict(rollout_correction="token_truncate", rollout_correction_cap=1.0) if dtype == "bf16" else {}))
     P.main(args)
     metrics = read_metrics(args.output_dir)[0]
     mu, mask = sampled[0]["mu"], sampled[0]["response_mask"]
@@ -1437,6 +1545,10 @@ def test_the_samplers_log_probs_are_kept_beside_the_recompute_and_their_mismatch
     assert metrics["rollout/mismatch_kl"] == pytest.approx((w - 1 - w.log()).mean().item(), rel=1e-5, abs=1e-9)
     assert metrics["rollout/mismatch_outside_frac"] == pytest.approx(((w - 1).abs() > 0.1).double().mean().item())
     assert (old - mu)[mask].abs().max() < 0.5  # the same policy, in bf16 at another batch shape
+    trained = calls[0][0]
+    assert torch.equal(trained["weights"], P.rollout_weights(old, mu, mask, "token_truncate", 1.0))
+    above = ((old - mu).exp() > 1) & mask
+    assert above.any() and (trained["weights"][above] == 1).all() and (trained["weights"][mask] < 1).any()
 
 
 def test_the_kl_estimator_defaults_to_k1_in_the_reward_and_k3_in_the_loss():
@@ -1575,7 +1687,7 @@ def test_the_share_of_ratios_outside_the_clip_is_of_the_clip_in_use():
     mb = {"logprobs": torch.zeros(1, 5), "response_mask": torch.ones(1, 5, dtype=torch.bool)}
     for cliprange_high, expected in ((None, 3 / 5), (0.3, 2 / 5)):
         stats = defaultdict(list)
-        tokens = P.policy_loss(ratios.log(), mb["logprobs"], torch.ones(1, 5), 0.2, cliprange_high)[1]
+        tokens = P.policy_loss(ratios.log(), mb["logprobs"], torch.ones(1, 5), None, P.Args(cliprange_high=cliprange_high))[1]
         P.update_stats(stats, mb, torch.zeros(1, 5), {}, tokens)
         assert stats["policy/ratio_outside_clip_avg"][0].item() == pytest.approx(expected)
 
@@ -1694,6 +1806,10 @@ FAMILY = {  # estimator, k, where the KL goes, β, adaptive KL target
     "dr_grpo, no KL": ("dr_grpo", 4, "reward", 0.0, None),
     "reinforce_pp": ("reinforce_pp", 1, "reward", 0.1, None),
     "reinforce_pp_baseline": ("reinforce_pp_baseline", 2, "reward", 0.1, None),
+    "grpo, SAPO, equal groups filtered, off-policy mask": ("grpo", 2, "reward", 0.1, None, dict(
+        policy_loss="sapo", filter_zero_std_groups=True, off_policy_mask_threshold=0.0)),
+    "dr_grpo, GSPO": ("dr_grpo", 4, "loss", 0.1, None, dict(importance_sampling_level="sequence", cliprange=3e-4,
+                                                            cliprange_high=4e-4)),
 }
 
 
@@ -1703,16 +1819,17 @@ def test_the_value_free_estimators_wire_their_advantages(tiny, tmp_path, monkeyp
     k rows share a prompt; s'_i = s_i − the group's baseline; r_t = −β·KL_t (KL in the reward) + s'_i on the last
     token; A_t = Σ_{t'≥t} γ^(t'−t)·r_t', whitened over the batch for reinforce_pp*. No value model is loaded, trained
     or saved; β 0 loads no reference; the adaptive controller moves β by its formula."""
-    estimator, k, kl_in, kl_coef, target = FAMILY[case]
+    estimator, k, kl_in, kl_coef, target, *flags = FAMILY[case]
     calls = spy_on_updates(monkeypatch)
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"], total_episodes=24,
                     stop_token_id=5, gamma=0.9, num_generations=k, advantage_estimator=estimator, kl_in=kl_in,
-                    kl_coef=kl_coef, adaptive_kl_target=target, adaptive_kl_horizon=100)
+                    kl_coef=kl_coef, adaptive_kl_target=target, adaptive_kl_horizon=100, **(flags or [{}])[0])
     P.main(args)
     metrics = read_metrics(args.output_dir)
     assert len(calls) == len(metrics) == 3 and not os.path.exists(os.path.join(args.output_dir, "value_model"))
     assert ("objective/kl" in metrics[0]) == (kl_coef > 0) and "val/explained_variance" not in metrics[0]
     assert ("loss/kl_avg" in metrics[0]) == (kl_in == "loss") and "loss/value_avg" not in metrics[0]
+    filtered = 0  # rows of equal-score groups left out of the loss
     for (batch, _, values, model), m in zip(calls, metrics):
         assert values is None and not any(n.startswith("value_model") for n, _ in model.named_parameters())
         assert m["objective/kl_coef"] == pytest.approx(kl_coef if target is None else batch["kl_coef"])
@@ -1723,6 +1840,10 @@ def test_the_value_free_estimators_wire_their_advantages(tiny, tmp_path, monkeyp
             groups = batch["scores"].view(-1, k).tolist()
             assert m["objective/frac_reward_zero_std"] == pytest.approx(
                 sum(len(set(g)) == 1 for g in groups) / len(groups))
+            equal = torch.tensor([len(set(g)) == 1 for g in groups]).repeat_interleave(k)
+            filtered += equal.sum().item() if args.filter_zero_std_groups else 0
+            assert torch.equal(batch["loss_mask"], mask & ~equal[:, None] if args.filter_zero_std_groups else mask)
+        assert ("policy/off_policy_masked_frac" in m) == (args.off_policy_mask_threshold is not None)
         scores, baselined = batch["scores"].tolist(), []
         for i, s in enumerate(scores):
             group = scores[i - i % k : i - i % k + k]
@@ -1744,6 +1865,7 @@ def test_the_value_free_estimators_wire_their_advantages(tiny, tmp_path, monkeyp
         assert torch.allclose(batch["advantages"].double(), advantages, atol=1e-5)
         if kl_coef == 0:  # no reference: every KL estimate is 0
             assert (batch["kl"] == 0).all()
+    assert (filtered > 0) == args.filter_zero_std_groups  # some groups were equal
     if target is not None:  # β ← β·(1 + clip(KL/target − 1, ±0.2)·batch/horizon), from the logged KL
         for before, after in zip(metrics, metrics[1:]):
             assert after["objective/kl_coef"] == pytest.approx(
@@ -2017,7 +2139,8 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "score_clip": 0.0, "overlong_buffer": -1, "length_penalty": float("nan"),
                 "overlong_penalty": float("inf"), "health_window": -1, "replay_rounds": -1,
                 "replay_weight_cap": 0.5, "max_prompt_length": 0,
-                "warmup_ratio": 1.5}
+                "warmup_ratio": 1.5, "cispo_max": 0.0, "sapo_temperature_pos": -1.0, "sapo_temperature_neg": 0.0,
+                "rollout_correction_cap": float("nan"), "off_policy_mask_threshold": float("inf")}
 
 
 def file_case(case, tiny, tmp_path):
@@ -2124,6 +2247,19 @@ def file_case(case, tiny, tmp_path):
         "a weight cap without decoupled replay": (dict(replay_rounds=1, replay_correction="naive",
                                                        replay_weight_cap=3.0), "--replay_weight_cap"),
         "warmup with a constant schedule": (dict(lr_scheduler_type="constant", warmup_ratio=0.1), "--warmup_ratio"),
+        "a dual clip with cispo": (dict(policy_loss="cispo", dual_clip=3.0), "--dual_clip"),
+        "a dual clip with sapo": (dict(policy_loss="sapo", dual_clip=3.0), "--dual_clip"),
+        "sequence-level ratios with GAE": (dict(importance_sampling_level="sequence"), "--importance_sampling_level"),
+        **{f"sequence-level ratios with {what}": (dict(importance_sampling_level="sequence",
+                                                      advantage_estimator="reinforce_pp", **flags),
+                                                 "--importance_sampling_level")
+           for what, flags in (("cispo", dict(policy_loss="cispo")), ("a dual clip", dict(dual_clip=3.0)))},
+        "an off-policy mask with GAE": (dict(off_policy_mask_threshold=0.1), "--off_policy_mask_threshold"),
+        "zero-std filtering without groups": (dict(filter_zero_std_groups=True, advantage_estimator="reinforce_pp"),
+                                              "--filter_zero_std_groups"),
+        "a rollout correction in fp32": (dict(rollout_correction="token_truncate"), "--rollout_correction"),
+        "a rollout correction with replay": (dict(rollout_correction="token_mask", dtype="bf16", replay_rounds=1,
+                                                  replay_correction="decoupled"), "--rollout_correction"),
     }[case]
 
 
@@ -2151,7 +2287,11 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "a replay correction without replay", "a weight cap without decoupled replay",
               "bad jsonl after a blank line", "a response as long as the context",
               "a prompt length and response past the context", "a hub eval dataset on the training split",
-              "a tokenizer past the model's vocabulary", "warmup with a constant schedule"]
+              "a tokenizer past the model's vocabulary", "warmup with a constant schedule",
+              "a dual clip with cispo", "a dual clip with sapo", "sequence-level ratios with GAE",
+              "sequence-level ratios with cispo", "sequence-level ratios with a dual clip",
+              "an off-policy mask with GAE", "zero-std filtering without groups", "a rollout correction in fp32",
+              "a rollout correction with replay"]
 
 
 MUST_SAY = {"a tokenizer past the model's vocabulary": "gives prompt ids past the model's vocabulary of 40",
@@ -2307,6 +2447,8 @@ def test_health_hints_fire_on_their_bad_cases_and_only_there():
     assert list(ratio) == ["ratio"] and "60% of the importance ratios" in ratio["ratio"] and "--learning_rate" in ratio[
         "ratio"]
     assert hints(hint_window([1] * 4, [0.1] * 4, [0.5] * 4, outside=0.5), args, True) == {}  # half is not most
+    for kind in ("cispo", "sapo"):  # no clip band: no ratio hint
+        assert hints(hint_window([1] * 4, [0.1] * 4, [0.5] * 4, outside=0.9), P.Args(policy_loss=kind), True) == {}
     stale = [dict(m, **{"replay/outside_clip_fresh": 0.1}) for m in hint_window([1] * 4, [0.1] * 4, [0.5] * 4,
                                                                                outside=0.9)]
     assert hints(stale, args, True) == {}  # replay: fresh tokens only (replayed ones start far from π_old)
@@ -3162,7 +3304,7 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
 
     monkeypatch.setattr(P, "replay_batch", spy)
     flags = {"decoupled": dict(replay_weight_cap=1.02), "naive": {},
-             "grpo": dict(advantage_estimator="grpo", num_generations=2),
+             "grpo": dict(advantage_estimator="grpo", num_generations=2, off_policy_mask_threshold=0.0),
              "decoupled_bf16": dict(replay_weight_cap=1.02, dtype="bf16", temperature=0.7)}[correction]
     B = 4  # rows per batch: few, so that batches differ in width
     flags.update(per_device_train_batch_size=B, num_mini_batches=1)  # a minibatch of B rows: 2 per update
@@ -3171,7 +3313,13 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
     fresh, _, train = seen[0]  # nothing to replay yet
     for key in ("query_responses", "logprobs", "advantages", "returns", "loss_mask"):
         assert torch.equal(train[key], fresh[key])
-    assert (train["age"] == 0).all() and torch.equal(train.get("weights", torch.ones(1)).unique(), torch.ones(1))
+    assert (train["age"] == 0).all()
+    if correction == "decoupled_bf16":  # fresh rows: π_old (the recompute) over the sampler's μ, as the rollout correction
+        mismatch = P.rollout_weights(fresh["logprobs"], fresh["sampler_logprobs"], fresh["response_mask"], "token_mask",
+                                     1.02)
+        assert torch.equal(train["weights"], mismatch)
+    else:  # fp32: μ is π_old
+        assert torch.equal(train.get("weights", torch.ones(1)).unique(), torch.ones(1))
     widths = set()
     for u in (1, 2):
         fresh, old, train = seen[u]
@@ -3187,10 +3335,12 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
             for key in ("response_mask", "loss_mask", "ref_logprobs", "rewards"):
                 assert torch.equal(train[key][j, :r], part[key][i]) and not train[key][j, r:].any()
         parts = (fresh, old)
-        mu = torch.cat([F.pad(b["logprobs"], (0, train["logprobs"].shape[1] - b["logprobs"].shape[1])) for b in parts])
+        width = train["logprobs"].shape[1]
+        mu = torch.cat([F.pad(x, (0, width - x.shape[1])) for x in (fresh["sampler_logprobs"], old["logprobs"])])
         values = torch.cat([F.pad(b["values"], (0, mu.shape[1] - b["values"].shape[1])) for b in parts])
-        prox = torch.cat([mu[:B], F.pad(old["prox"], (0, mu.shape[1] - old["prox"].shape[1]))])
+        prox = torch.cat([F.pad(x, (0, width - x.shape[1])) for x in (fresh["logprobs"], old["prox"])])  # fresh: π_old
         assert torch.allclose(train["values"], values, atol=1e-5)  # V of now, for the replayed rows too
+        assert torch.equal(train["sampler_logprobs"], mu)  # the off-policy mask's μ: the sampler's, stored
         mask = train["response_mask"]
         advantages, returns = P.gae(train["rewards"], train["values"], mask, 1.0, 0.95 if correction != "grpo" else 1)
         assert torch.allclose(train["returns"], returns)
@@ -3204,7 +3354,7 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
         if correction == "naive":  # the ratio's denominator is μ
             assert torch.equal(train["logprobs"], mu) and "weights" not in train
         else:  # π_prox, each token weighted min(π_prox/μ, c)
-            assert torch.allclose(train["logprobs"], prox, atol=1e-5) and torch.equal(train["logprobs"][:B], mu[:B])
+            assert torch.allclose(train["logprobs"], prox, atol=1e-5) and torch.equal(train["logprobs"][:B], prox[:B])
             w = (train["logprobs"] - mu).exp()
             assert torch.allclose(train["weights"], torch.where(w <= 1.02, w, 0.0))  # AReaL: 0 above the cap
             assert (train["weights"][B:][mask[B:]] == 0).any() and (train["weights"][B:][mask[B:]] < 1).any()
@@ -3219,7 +3369,9 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
         above = ((train["logprobs"] - mu).exp() > 1.02) & replayed
         assert 0 < metrics["replay/weight_masked"] == pytest.approx((above.sum() / replayed.sum()).item())
     monkeypatch.undo()
-    flags.pop("replay_weight_cap", None)
+    cap = flags.pop("replay_weight_cap", None)
+    if correction == "decoupled_bf16":  # the fresh rows' weight: one mechanism with the rollout correction
+        flags.update(rollout_correction="token_mask", rollout_correction_cap=cap)
     P.main(run_args(tiny, tmp_path / "today", total_episodes=B, **flags))  # --replay_rounds 0
     first, today = read_metrics(tmp_path / "run")[0], read_metrics(tmp_path / "today" / "run")[0]
     first = {k: v for k, v in DETERMINISTIC_KEYS(first).items() if not k.startswith("replay/")}
@@ -3249,7 +3401,7 @@ def replay_worker(rank, port, out_file):
     P.prox_and_values = lambda models, b, args, rt: (b["prox"], b["values"])  # the models' forwards, stubbed
     args = P.Args(replay_rounds=1, replay_correction="naive", response_length=5)
     models = SimpleNamespace(pad_token_id=0)
-    batch = dict(fresh, kl_coef=0.05)
+    batch = dict(fresh, kl_coef=0.05, sampler_logprobs=fresh["logprobs"])  # fp32: μ is π_old
     train = P.replay_batch({"replay": [old]}, batch, 1, models, args, P.Runtime(rank=rank, world_size=2, torchrun=True))
     torch.save((train, batch["replay_metrics"]), f"{out_file}.{rank}")
     P.leave_process_group()
@@ -3290,7 +3442,7 @@ def test_replays_clip_shares_count_real_tokens_only():
     stats = defaultdict(list)
     for rows in (slice(0, 3), slice(3, 6)):
         mb = dict(logprobs=old[rows], advantages=A[rows], response_mask=mask[rows], age=age[rows])
-        P.update_stats(stats, mb, torch.zeros(3, 5), {}, P.policy_loss(new[rows], old[rows], A[rows], 0.2, 0.28)[1])
+        P.update_stats(stats, mb, torch.zeros(3, 5), {}, P.policy_loss(new[rows], old[rows], A[rows], None, P.Args(cliprange_high=0.28))[1])
     shares = P.replay_stats({k: torch.stack(v) for k, v in stats.items() if k.startswith("replay/")}, 2)
     ratio = (new - old).exp()
     clipped = ((A > 0) & (ratio > 1.28)) | ((A < 0) & (ratio < 0.8))
