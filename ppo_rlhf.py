@@ -1877,7 +1877,9 @@ def save_final(model, models, args, output_dir, rt, num_updates):
 
 def save_weights(model, folder, state, dtype):
     """save_pretrained(folder), the float tensors of `state` in dtype; its config.json says so."""
-    model.save_pretrained(folder, state_dict={k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in tied}
+    model.save_pretrained(folder, state_dict=state)  # a gathered state's copies share no storage: tied kept once
     model.config.dtype = dtype  # save_pretrained wrote the in-memory one
     model.config.save_pretrained(folder)
 

@@ -1139,6 +1139,23 @@ def test_a_llama_3_checkpoint_ends_at_each_of_its_stop_ids_and_its_bf16_storage_
     assert "stored in bf16, whose range fp16 lacks" in capsys.readouterr().err
 
 
+def test_a_gathered_state_writes_tied_embeddings_once_and_reloads_tied(tiny, tmp_path):
+    """A state gathered over ranks (FSDP2's full state dict, or one moved off a GPU) holds the tied output layer as a
+    copy of the embedding, sharing no storage: save_weights writes it once, as the hub does, and from_pretrained ties
+    it back, to the same logits."""
+    from safetensors import safe_open
+    model = loaded(tiny, "chat", key="chat")
+    gathered = {k: v.clone() for k, v in model.state_dict().items()}
+    assert "lm_head.weight" in gathered
+    P.save_weights(model, str(tmp_path / "saved"), gathered, torch.float32)
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
 def test_save_dtype_auto_writes_each_model_in_its_own_sources_dtype(tiny, tmp_path, capsys):
     """The policy stored in bf16, its value model started from a reward model stored in fp32: saved as bf16 and fp32."""
     args = run_args(tiny, tmp_path, reward_model_path=[tiny["gpt2_rm_fp32"]], total_episodes=8, save_dtype="auto")
