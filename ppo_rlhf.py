@@ -393,10 +393,10 @@ def aggregate(x, mask, loss_agg, response_length):
     responses with a token in the loss (0 if none)."""
     if loss_agg == "token_mean":
         return masked_mean(x, mask)
-    per_response, responses = torch.where(mask, x, 0.0).sum(-1), mask.any(-1).sum().clamp(min=1)
+    responses = mask.any(-1).sum().clamp(min=1)
     if loss_agg == "seq_mean_token_mean":
-        return (per_response / mask.sum(-1).clamp(min=1)).sum() / responses
-    return per_response.sum() / (responses * response_length)
+        return response_mean(x, mask).sum() / responses
+    return torch.where(mask, x, 0.0).sum(-1).sum() / (responses * response_length)
 
 
 # ------------------------------------------------------------------------ π and V on padded batches
