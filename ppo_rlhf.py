@@ -412,16 +412,12 @@ def backbone(model):
     return getattr(model, model.base_model_prefix)
 
 
-def last_hidden(model, input_ids, attention_mask, keep):
-    """The backbone's last hidden states (B, keep, H) at the last `keep` positions of (B, S)."""
-    return backbone(model)(**forward_kwargs(input_ids, attention_mask)).last_hidden_state[:, -keep:]
-
-
 def forward(model, input_ids, attention_mask, keep):
     """One forward over a padded batch (B, S) -> the last `keep` positions: logits (B, keep, V), or
     the scalar (B, keep) of a sequence classifier's `score` head."""
-    if hasattr(model, "score"):
-        return model.score(last_hidden(model, input_ids, attention_mask, keep)).squeeze(-1).float()
+    if hasattr(model, "score"):  # on the backbone's last hidden states
+        hidden = backbone(model)(**forward_kwargs(input_ids, attention_mask)).last_hidden_state[:, -keep:]
+        return model.score(hidden).squeeze(-1).float()
     return model(**forward_kwargs(input_ids, attention_mask), logits_to_keep=keep).logits
 
 
@@ -478,7 +474,8 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
     """y_t ~ softmax(z_t / T) (T = 0: argmax) with a KV cache -> responses, log π_old(y_t|s_t)
     (B, L), pad and 0 after a stop id. sync_ranks: step until all ranks are done (FSDP)."""
     # exactly the policy we train (no top-k/top-p); T = 0 gets T = 1's log-probs; under no_grad
-    cache = {cache_keyword(policy): transformers.DynamicCache(config=policy.config)}  # a version shim
+    keyword = "cache" if "cache" in inspect.signature(backbone(policy).forward).parameters else "past_key_values"
+    cache = {keyword: transformers.DynamicCache(config=policy.config)}  # "cache": transformers >= 5.24
     ids, mask, positions = queries, query_mask, (query_mask.cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens, logprobs = [], []
@@ -1188,8 +1185,9 @@ def from_pretrained(cls, path, flag, args, **kwargs):
         fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
 
 
-def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, **kwargs):
-    """A model in `dtype`, dropout off (it would break π_old), one line for missing weights."""
+def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, rt=None, frozen=False, **kwargs):
+    """A model in `dtype`, dropout off (it would break π_old), one line for missing weights;
+    given rt under FSDP2, loaded into its shards where it can be (load_into_shards)."""
     base = adapter_base(path, flag)
     if base:  # an adapter checkpoint (peft): its base model with the adapter merged in
         model = load_pretrained(cls, base, flag, args, dtype, new_head, **kwargs)
@@ -1199,15 +1197,16 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)
-    # transformers' own report of missing and unused weights: said below instead, in one line each
-    no_report = lambda record: not re.search(r"^Some weights of|LOAD REPORT", record.getMessage())
-    transformers_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
-    transformers_log.addFilter(no_report)
-    try:
-        model, info = from_pretrained(cls, path, flag, args, config=config, output_loading_info=True,
-                                      dtype=dtype)  # transformers >= 5 would keep the storage's dtype
-    finally:
-        transformers_log.removeFilter(no_report)
+    model, info = rt and rt.fsdp and load_into_shards(cls, path, flag, config, dtype, rt, frozen) or (None, None)
+    if model is None:  # transformers' own report of missing and unused weights: said below instead, in one line each
+        no_report = lambda record: not re.search(r"^Some weights of|LOAD REPORT", record.getMessage())
+        transformers_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
+        transformers_log.addFilter(no_report)
+        try:
+            model, info = from_pretrained(cls, path, flag, args, config=config, output_loading_info=True,
+                                          dtype=dtype)  # transformers >= 5 would keep the storage's dtype
+        finally:
+            transformers_log.removeFilter(no_report)
     missing = [k for k in info["missing_keys"] if not (new_head and k.startswith("score."))]
     for kind, keys in (("missing from", missing), ("unused by", info["unexpected_keys"])):
         if keys:
@@ -1218,11 +1217,6 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
             module.p = 0.0
     model.new_head = len(missing) < len(info["missing_keys"])  # a score head was left out
     return model
-
-
-def cache_keyword(model):
-    """The KV cache's keyword: `cache` (transformers >= 5.24) or `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(backbone(model).forward).parameters else "past_key_values"
 
 
 def adapter_base(path, flag="model_name_or_path"):
@@ -1243,20 +1237,25 @@ def load_models(args, model_path, inputs, rt):
     frozen_dtype = rt.low_dtype or torch.float32
     dtype = frozen_dtype if args.lora_r else torch.float32  # of trained models (LoRA: frozen)
     frozen = lambda model, dtype=frozen_dtype: model.requires_grad_(False).eval().to(rt.device, dtype)
-    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args, dtype)
+    trained_rt = None if args.lora_r else rt  # FSDP2 loads into shards (peft adapts whole models)
+    frozen_rt = rt if args.shard_frozen_models else None
+    if rt.fsdp and args.lora_r and rt.rank == 0:
+        say("note: --lora_r: peft adds its adapters to whole models, so each rank loads them whole, then shards them")
+    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args, dtype, rt=trained_rt)
     if args.lora_r:
         policy = add_lora(policy, args)
     ref_policy = None  # --kl_coef 0: no KL, no reference model
     if args.kl_coef and args.lora_r:
         ref_policy = policy  # the same weights: score() switches the adapter off
-    elif args.kl_coef:
-        # in the policy's precision (fp32 under autocast): where π_θ = π_ref the KL is 0, not a bf16 floor
-        ref_policy = frozen(copy.deepcopy(policy) if not args.ref_model_path else load_pretrained(
-            AutoModelForCausalLM, args.ref_model_path, "ref_model_path", args, dtype), dtype)
+    elif args.kl_coef:  # in the policy's precision, so that where π_θ = π_ref the KL is 0, not a bf16 floor:
+        # fp32 under autocast, the bf16 of its gathers under FSDP2 (loaded again: the policy is in shards)
+        ref_policy = frozen(copy.deepcopy(policy) if not (rt.fsdp or args.ref_model_path) else load_pretrained(
+            AutoModelForCausalLM, args.ref_model_path or model_path, "ref_model_path", args,
+            frozen_dtype if rt.fsdp else dtype, rt=frozen_rt, frozen=True), None)  # RoPE's inv_freq: as loaded
     reward_models = []  # (model, its tokenizer, or None if it reads the policy's token ids)
     for path, reward_tokenizer in zip(args.reward_model_path or [], inputs.reward_tokenizers):
         reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args,
-                                       frozen_dtype)
+                                       frozen_dtype, rt=frozen_rt, frozen=True)
         reward_models.append((frozen(reward_model), reward_tokenizer))
     value_model, value_source, value_path = load_value_model(args, model_path, inputs, dtype, rt)
     paths = {"policy": model_path, "value_model": value_path}
@@ -1267,9 +1266,9 @@ def load_models(args, model_path, inputs, rt):
     source_dtypes = {k: inputs.stored_dtypes[adapter_base(p) or p] for k, p in paths.items() if p}
     num_sources = len(reward_models + inputs.reward_fns)
     policy.to(rt.device)
-    # log-probs straight from the hidden states where the model allows it; a sharded model's output
-    # layer is only whole inside its own forward, so FSDP-sharded models make their (B, R, V) logits
-    policy_head = None if rt.fsdp else output_layer(policy)
+    # log-probs straight from the hidden states where the model allows it; a sharded frozen model's
+    # output layer is only whole inside its own forward, so it makes its (B, R, V) logits
+    policy_head = output_layer(policy)
     ref_head = policy_head if ref_policy is policy else None  # LoRA: the reference is the policy
     if ref_policy not in (None, policy) and not (rt.fsdp and args.shard_frozen_models):
         ref_head = output_layer(ref_policy)
@@ -1295,7 +1294,7 @@ def load_value_model(args, model_path, inputs, dtype, rt):
     shared = inputs.reward_tokenizers[:1] == [None]  # reward model 1 reads the policy's ids
     value_path = args.value_model_path or (args.reward_model_path[0] if shared else model_path)
     value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args,
-                                  dtype, new_head=True, num_labels=1)
+                                  dtype, new_head=True, rt=None if args.lora_r else rt, num_labels=1)
     if not hasattr(value_model, "score"):
         fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
              "(a *ForSequenceClassification of a causal LM)")
@@ -1694,8 +1693,8 @@ def wrap_for_training(models, args, rt):
     if rt.fsdp:  # --shard_frozen_models: the frozen models too, but LoRA's reference is the policy
         frozen = [m for m in (models.ref_policy, *[rm for rm, _ in models.reward_models])
                   if args.shard_frozen_models and m not in (None, models.policy)]
-        for module in trained + frozen:
-            shard(module, frozen=module in frozen)
+        for module in [m for m in trained + frozen if not any(hasattr(x, "unshard") for x in m.modules())]:
+            shard(module, module in frozen, rt.low_dtype)
     elif rt.torchrun:
         ddp = torch.nn.parallel.DistributedDataParallel
         no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
@@ -1704,14 +1703,57 @@ def wrap_for_training(models, args, rt):
     return model
 
 
-def shard(model, frozen=False):
-    """FSDP2: a unit per decoder block, then the root (a frozen one reshards after forward)."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model, frozen=False, low_dtype=None):
+    """FSDP2: a unit per decoder block, then the root (a frozen one reshards after forward);
+    under bf16 gathered in bf16, gradients reduced in fp32 (the shards, and AdamW, stay in their dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=low_dtype, reduce_dtype=torch.float32)
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or ()):
-            fully_shard(module)
+            fully_shard(module, mp_policy=policy)
     for root in [backbone(model), model.score] if hasattr(model, "score") else [model]:
-        fully_shard(root, reshard_after_forward=frozen or None)
+        fully_shard(root, reshard_after_forward=frozen or None, mp_policy=policy)
+
+
+def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
+    """FSDP2: build on the meta device, shard, read each rank's slices of the safetensors files.
+    -> (model, missing and unused keys), or None: loaded whole, as in one process (said in one line)."""
+    from glob import glob
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    folder, stored = os.path.expanduser(path), set()
+    for file in glob(os.path.join(folder, "*.safetensors")):
+        with safe_open(file, "pt") as f:
+            stored.update(f.keys())
+    # parameters on the meta device as they are made (no memory, no init), buffers real: RoPE's inv_freq is in
+    # no checkpoint; a tied weight is registered twice, the second time already on meta
+    hook = torch.nn.modules.module.register_module_parameter_registration_hook(
+        lambda module, name, p: p if p.is_meta else torch.nn.Parameter(p.to("meta"), p.requires_grad))
+    try:
+        model = cls.from_config(config, dtype=dtype)
+    finally:
+        hook.remove()
+    wanted = model.state_dict().keys() - tied_aliases(model)  # a tied weight is stored once
+    missing = {k for k in wanted - stored if k.startswith("score.")}  # a new head: initialised as transformers does
+    if not stored or wanted - stored - missing:  # said once, by rank 0
+        return rt.rank == 0 and say(f"note: --{flag} {path!r}: not a folder of safetensors files with every weight, "
+                                    "so each rank loads it whole, then shards it")
+    buffers = {k: b.clone() for k, b in model.named_buffers()}  # to_empty() would leave them uninitialised
+    shard(model, frozen, rt.low_dtype)
+    model.to_empty(device=rt.device)
+    for key, buffer in buffers.items():
+        model.get_buffer(key).copy_(buffer)
+    weights = get_model_state_dict(model)  # this rank's shards, by name
+    load({k: v for k, v in weights.items() if k in wanted - missing}, storage_reader=HuggingFaceStorageReader(folder))
+    if missing:  # a whole head on every rank (the same seed), then its shard
+        score = model.score
+        with torch.device("meta"):  # made without drawing random numbers, then as from_pretrained does
+            head = torch.nn.Linear(score.in_features, score.out_features, score.bias is not None)
+        model._init_weights(head.to_empty(device="cpu"))
+        set_model_state_dict(model, {f"score.{k}": v for k, v in head.state_dict().items()},
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+    return model, {"missing_keys": missing, "unexpected_keys": stored - wanted}
 
 
 @contextmanager
@@ -1752,6 +1794,17 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm):
 
 
 # ------------------------------ memory-efficient log-probs (systems: a first reading may skip this)
+def last_hidden(model, input_ids, attention_mask, keep):
+    """A causal LM's last hidden states (B, keep, H): its own forward with an identity output layer
+    (not the backbone's: under FSDP2 the root unit's all-gather then holds that layer for the chunks)."""
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(torch.nn.Identity())
+    try:
+        return forward(model, input_ids, attention_mask, keep)
+    finally:
+        model.set_output_embeddings(head)
+
+
 def chunked_logprobs(x, tokens, temperature=1.0, head=None):
     """token_logprobs by chunks of rows, recomputed in backward: no whole (B·T, V)."""
     n = logprobs_chunk_rows(x.shape[-1] if head is None else head.out_features)
@@ -1780,7 +1833,10 @@ def output_layer(model):
     with (torch.no_grad(), torch.autocast(ids.device.type, enabled=False),  # x 100: a cap shows
           head.register_forward_hook(lambda module, inputs, output: output * 100)):
         logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
-        return head if torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5) else None
+        fits = torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5)
+    for unit in [m for m in model.modules() if hasattr(m, "reshard")]:  # FSDP2: a root stays gathered
+        unit.reshard()
+    return head if fits else None
 
 
 # ---------------- LoRA (peft): one block a fork can delete (systems: a first reading may skip this)
@@ -1820,16 +1876,14 @@ def import_peft(flag):
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
     save_every save_total_limit resume distributed shard_frozen_models rollout_unshard
     dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
-CHECKPOINT_FORMAT = 2  # of state.pt; a checkpoint of another format is refused (load_checkpoint)
+CHECKPOINT_FORMAT = 3  # of state.pt; a checkpoint of another format is refused (load_checkpoint)
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
 
 
-def full_state_dict(model, optimizer=None):
-    """Full state of a plain, DDP or FSDP2 model (and optimizer) on rank 0's CPU: a collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    states = get_state_dict(model, optimizer or [],  # (the model's, the optimizer's)
-                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return states if optimizer else states[0]
+def full_state_dict(model):
+    """Full state of a plain, DDP or FSDP2 model on rank 0's CPU: a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save_final(model, models, args, output_dir, rt, num_updates):
@@ -1877,23 +1931,36 @@ def save_final(model, models, args, output_dir, rt, num_updates):
 
 def save_weights(model, folder, state, dtype):
     """save_pretrained(folder), the float tensors of `state` in dtype; its config.json says so."""
-    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    tied = tied_aliases(model)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in tied}
     model.save_pretrained(folder, state_dict=state)  # a gathered state's copies share no storage: tied kept once
     model.config.dtype = dtype  # save_pretrained wrote the in-memory one
     model.config.save_pretrained(folder)
 
 
+def tied_aliases(model):
+    """The second names of tied weights (lm_head.weight where it is the input embedding)."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+
+
 @contextmanager
-def save_folder(path):
-    """Yields path.tmp to write into, then swaps it in: a crash never leaves a half-written one."""
-    shutil.rmtree(path + ".tmp", ignore_errors=True)
-    os.makedirs(path + ".tmp")
+def save_folder(path, all_ranks=False):
+    """Yields path.tmp to write into (all_ranks: every rank writes), then swaps it in: a crash never leaves a
+    half-written one."""
+    first = not all_ranks or dist.get_rank() == 0  # makes and swaps the folder
+    if first:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        os.makedirs(path + ".tmp")
+    if all_ranks:
+        dist.barrier()
     yield path + ".tmp"
-    if os.path.exists(path):
+    if all_ranks:
+        dist.barrier()  # every rank's files are written
+    if first and os.path.exists(path):
         os.replace(path, path + ".old")
-    os.replace(path + ".tmp", path)
-    shutil.rmtree(path + ".old", ignore_errors=True)
+    if first:
+        os.replace(path + ".tmp", path)
+        shutil.rmtree(path + ".old", ignore_errors=True)
 
 
 def list_checkpoints(output_dir):
@@ -1902,8 +1969,19 @@ def list_checkpoints(output_dir):
                   if d.startswith("checkpoint-") and not d.endswith((".tmp", ".old")))
 
 
+def trained_state(model, optimizer, args):
+    """What DCP saves and loads: this rank's shards (FSDP2) of weights and AdamW state; LoRA: what trains."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    weights, optimizer_state = get_state_dict(model, optimizer)
+    if args.lora_r:
+        inner = getattr(model, "module", model)  # DDP
+        weights = {n: weights[n] for n, p in inner.named_parameters() if p.requires_grad}
+    return {"model": weights, "optimizer": optimizer_state}
+
+
 def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models, progress):
     """Restore checkpoint() on every rank (weights_only: runs no code). -> (update, progress)."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     if state.get("format") != CHECKPOINT_FORMAT:
@@ -1920,8 +1998,10 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
     if state["world_size"] != rt.world_size:  # the prompt stream depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
-    set_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True),
-                   model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    trained = trained_state(model, optimizer, args)
+    quietly(dcp.load, trained, checkpoint_id=path, no_dist=not rt.torchrun)  # each rank reads its shards
+    set_state_dict(model, optimizer, options=StateDictOptions(strict=not args.lora_r),
+                   model_state_dict=trained["model"], optim_state_dict=trained["optimizer"])
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
     progress = {key: state[key] for key in progress}
@@ -1944,6 +2024,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
         progress["replay"] = []
     if not args.resume:
         return 0, progress
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     logs = [os.path.join(output_dir, f) for f in ("metrics.jsonl", "samples.jsonl") if rt.rank == 0]
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
     candidates = all_ranks_objects((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
@@ -1955,7 +2036,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
                                                      args, rt, models, progress)
             log.print(f"resumed from {path} after update {start_update}")
             break
-        except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as e:
+        except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
             reason = str(e).strip().splitlines()[0]
             if path == candidates[-1]:  # the one named, or the oldest
                 fail(f"--resume {path!r} cannot be loaded: {reason}")
@@ -2008,25 +2089,23 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
     stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
     if not (stop or args.save_every and update % args.save_every == 0):
         return False
-    weights, optimizer_state = full_state_dict(model, optimizer)  # a collective
+    import torch.distributed.checkpoint as dcp
     if "replay" in progress:  # every rank's buffer, rank 0 writes them all (a collective)
         progress = {**progress, "replay": all_ranks_objects(replay_on(progress["replay"], "cpu"))}
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
-    if rt.rank == 0:  # it has the tensors
-        if args.lora_r:  # only what trains
-            inner = getattr(model, "module", model)  # DDP
-            weights = {n: weights[n] for n, p in inner.named_parameters() if p.requires_grad}
-        state = dict(update=update, **progress, model=weights, optimizer=optimizer_state,
-                     lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(), world_size=rt.world_size,
-                     config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS},
-                     stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
-        with save_folder(path) as tmp:
+    with save_folder(path, rt.torchrun) as tmp:  # weights and AdamW state: each rank its shards (DCP, fsynced)
+        quietly(dcp.save, trained_state(model, optimizer, args), checkpoint_id=tmp, no_dist=not rt.torchrun)
+        if rt.rank == 0:  # the rest, small
+            state = dict(update=update, **progress, lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(),
+                         world_size=rt.world_size, config={k: v for k, v in asdict(args).items()
+                                                           if k not in RUN_ONLY_FIELDS},
+                         stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
             file = os.path.join(tmp, "state.pt")
             torch.save(state, file)
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
-        for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
-            shutil.rmtree(old)
+    for old in list_checkpoints(output_dir)[:-args.save_total_limit] if rt.rank == 0 else []:
+        shutil.rmtree(old)
     if rt.torchrun:
         dist.barrier()  # wait for the write here
     if stop:  # how to go on
