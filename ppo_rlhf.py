@@ -88,6 +88,8 @@ class Args:
     """keep this many newest checkpoints (0: keep all)"""
     resume: Optional[str] = None
     """`auto`: continue from the newest checkpoint of output_dir (if any); or a checkpoint folder"""
+    export_checkpoint: bool = False
+    """with --resume FOLDER: no update; write its models to output_dir as the final ones (from_pretrained)"""
     # --- models and data
     model_name_or_path: str = "builtin"
     """policy (SFT) checkpoint, hub name or folder; `builtin`: the toy task's tiny Llama"""
@@ -678,7 +680,8 @@ def main(args: Args):
     log = Logger(args, output_dir, sizes, rt, inputs, models)
     start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
-    for update in range(start_update, sizes.num_updates):
+    last_update = start_update if args.export_checkpoint else sizes.num_updates
+    for update in range(start_update, last_update):
         log.start_update()  # the clock of its phases
         # each rank its own slice of the global batch and its own seed (ints hash to themselves):
         # a resumed run continues exactly, with no RNG state to restore
@@ -751,7 +754,7 @@ def main(args: Args):
         if checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, model, optimizer, lr_scheduler,
                       scaler, args, rt, models, log):  # saved after a stop signal
             return log.last
-    written = save_final(model, models, args, output_dir, rt, sizes.num_updates)
+    written = save_final(model, models, args, output_dir, rt, last_update)
     log.finish(f"saved {written} to {output_dir}")
     return log.last
 
@@ -788,6 +791,8 @@ FLAG_CONFLICTS = {
     "--ref_model_path is unused: --kl_coef 0 has no KL term": lambda a: a.ref_model_path and a.kl_coef == 0,
     "--ref_model_path is unused with --lora_r: the reference is the policy, adapter off":
         lambda a: a.ref_model_path and a.lora_r,
+    "--export_checkpoint needs --resume FOLDER, the checkpoint it writes": lambda a: a.export_checkpoint
+        and a.resume in (None, "auto"),
     "--merge_lora and --lora_target_modules need --lora_r > 0":
         lambda a: (a.merge_lora or a.lora_target_modules) and not a.lora_r,
     "--replay_rounds N > 0 and --replay_correction naive|decoupled go together":
@@ -1244,6 +1249,11 @@ def load_models(args, model_path, inputs, rt):
     policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args, dtype, rt=trained_rt)
     if args.lora_r:
         policy = add_lora(policy, args)
+    policy.to(rt.device)
+    # log-probs straight from the hidden states where the model allows it (probed before the other models
+    # load: under FSDP2 its forward gathers); a sharded frozen model's output layer is only whole inside
+    # its own forward, so it makes its (B, R, V) logits
+    policy_head = output_layer(policy)
     ref_policy = None  # --kl_coef 0: no KL, no reference model
     if args.kl_coef and args.lora_r:
         ref_policy = policy  # the same weights: score() switches the adapter off
@@ -1265,10 +1275,6 @@ def load_models(args, model_path, inputs, rt):
                   for k, p in paths.items() if p}
     source_dtypes = {k: inputs.stored_dtypes[adapter_base(p) or p] for k, p in paths.items() if p}
     num_sources = len(reward_models + inputs.reward_fns)
-    policy.to(rt.device)
-    # log-probs straight from the hidden states where the model allows it; a sharded frozen model's
-    # output layer is only whole inside its own forward, so it makes its (B, R, V) logits
-    policy_head = output_layer(policy)
     ref_head = policy_head if ref_policy is policy else None  # LoRA: the reference is the policy
     if ref_policy not in (None, policy) and not (rt.fsdp and args.shard_frozen_models):
         ref_head = output_layer(ref_policy)
@@ -1874,28 +1880,35 @@ def import_peft(flag):
 # Run-only fields: how a run is launched, stored or watched, not what it learns (beyond rounding:
 # --distributed, --shard_frozen_models; --eval_temperature: eval/). A resume may change only these.
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
-    save_every save_total_limit resume distributed shard_frozen_models rollout_unshard
+    save_every save_total_limit resume export_checkpoint distributed shard_frozen_models rollout_unshard
     dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
 CHECKPOINT_FORMAT = 3  # of state.pt; a checkpoint of another format is refused (load_checkpoint)
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
 
 
-def full_state_dict(model):
-    """Full state of a plain, DDP or FSDP2 model on rank 0's CPU: a collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state_dict(model, dtypes=None):
+    """Full state of a plain, DDP or FSDP2 model on rank 0's CPU: a collective, a tensor at a time. dtypes
+    {"policy": bf16, ...}: FSDP2's shards are cast first, so the gather moves (and rank 0 holds) the saved dtype."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    state, first = {}, not dist.is_initialized() or dist.get_rank() == 0
+    for key, value in get_model_state_dict(model).items():  # this rank's shards under FSDP2
+        value = value.to((dtypes or {}).get(key.split(".")[0]) or value.dtype) if value.is_floating_point() else value
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        state.update({key: value.cpu()} if first else {})
+    return state
 
 
 def save_final(model, models, args, output_dir, rt, num_updates):
     """The trained models as from_pretrained folders in --save_dtype, then complete.json."""
-    weights, written = full_state_dict(model), defaultdict(list)  # written: dtype -> what
+    dtypes = {name: DTYPES.get(args.save_dtype) or source_dtype or torch.float32  # auto: the source's
+              for name, source_dtype in models.source_dtypes.items()}  # no value model: no entry
+    weights, written = full_state_dict(model, None if args.lora_r else dtypes), defaultdict(list)  # dtype -> what
     if rt.rank:  # after the collective, rank 0 writes
         return ""
-    for name, source_dtype in models.source_dtypes.items():  # no value model: no entry
+    for name, dtype in dtypes.items():
         part = getattr(models, name)
         label, folder = name.replace("_", " "), os.path.join(output_dir, name)
         state = {k.removeprefix(name + "."): v for k, v in weights.items() if k.startswith(name + ".")}
-        dtype = DTYPES.get(args.save_dtype) or source_dtype or torch.float32  # auto: the source's
         base = models.base_paths[name] or os.path.abspath(folder + "_base")  # a LoRA adapter's
         if args.lora_r and not models.base_paths[name]:  # its weights: peft's names, no adapters
             base_state = {re.sub(r"^base_model\.model\.|\.base_layer|\.original_module", "", k): v
@@ -1995,7 +2008,7 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
     if then != models.stop_token_ids:  # however the flags or generation_config name them
         fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {models.stop_token_ids}: give "
              + (f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"))
-    if state["world_size"] != rt.world_size:  # the prompt stream depends on it
+    if state["world_size"] != rt.world_size and not args.export_checkpoint:  # the prompt stream depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
     trained = trained_state(model, optimizer, args)

@@ -2247,6 +2247,7 @@ def file_case(case, tiny, tmp_path):
         "an overlong buffer past the response": (dict(overlong_buffer=7), "--overlong_buffer"),
         "a reference model with LoRA": (dict(lora_r=4, ref_model_path=tiny["gpt2"]), "--ref_model_path"),
         "merging without LoRA": (dict(merge_lora=True), "--merge_lora"),
+        "exporting no checkpoint": (dict(export_checkpoint=True, resume="auto"), "--export_checkpoint"),
         "weights not matching the sources": (dict(reward_fn=[f"{__file__}:count_w1"], reward_weights=[1.0]),
                                              "--reward_weights"),
         "a non-finite reward weight": (dict(reward_weights=[float("nan")]), "--reward_weights"),
@@ -2928,14 +2929,15 @@ def test_resume_auto_on_a_crashed_run_sets_its_metrics_aside_and_starts_over(tin
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
 
 
-def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys):
+@pytest.mark.parametrize("damaged", ["state.pt", "__0_0.distcp"])  # the small state, or a DCP shard of the weights
+def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys, damaged):
     args = run_args(tiny, tmp_path, total_episodes=24, save_every=1,  # 3 updates; checkpoints 2 and 3 are kept
                     eval_dataset=tiny["txt"], num_sample_generations=3)  # an evaluation after each update
     P.main(args)
     newest = os.path.join(args.output_dir, "checkpoint-000003")
     checkpoints = sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint"))
     assert checkpoints == ["checkpoint-000002", newest[-17:]]
-    weights = os.path.join(newest, "state.pt")
+    weights = os.path.join(newest, damaged)
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(SystemExit, match="--resume") as exc:
@@ -3028,6 +3030,21 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode, rep
     resumed = torchrun(*flags, "--resume", os.path.join(out, "checkpoint-000001"))
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     assert [DETERMINISTIC_KEYS(m) for m in read_metrics(out)] == [DETERMINISTIC_KEYS(m) for m in metrics]
+    if replay:
+        return
+    # one process exports the 2-rank checkpoint: its trained weights as from_pretrained folders, no update
+    exported, first = str(tmp_path / "exported"), os.path.join(out, "checkpoint-000001")
+    result = subprocess.run([sys.executable, SCRIPT, *flags, "--output_dir", exported, "--resume", first,
+                             "--export_checkpoint"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights, saved = checkpoint_state(first)["model"], final_weights(exported)
+    assert all(torch.equal(v, weights[f"{name}.{k}"]) for name in saved for k, v in saved[name].items())
+    key = "transformer.h.0.attn.c_attn.weight"  # update 1's, not update 2's
+    assert sorted(saved) == ["policy", "value_model"] and not torch.equal(saved["policy"][key], last[f"policy.{key}"])
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(exported, "policy"))
+    assert torch.equal(policy.get_parameter(key), weights[f"policy.{key}"])
+    with open(os.path.join(exported, "complete.json")) as f:
+        assert json.load(f)["updates"] == 1 and not os.path.exists(os.path.join(exported, "checkpoint-000002"))
 
 
 @needs_gloo
@@ -3169,6 +3186,40 @@ P.leave_process_group()
     peaks = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("peaks ")]
     assert len(peaks) == 2 and all(len(p) == 1 for p in peaks)  # both ranks, one update
     assert all(0 < p[0] < 2 * B * R * V * 4 for p in peaks), (peaks, B * R * V * 4)
+
+
+@needs_gloo
+def test_fsdp_in_bf16_gathers_bf16_and_its_first_kl_is_zero(tiny, tmp_path):
+    """2 ranks, --dtype bf16 --shard_frozen_models, a Llama (RoPE) and its reward model: FSDP2 gathers the policy and
+    the reference in bf16 (MixedPrecisionPolicy), so at update 1, where π_θ = π_ref, every response's KL
+    Σ_t (log π_old − log π_ref) is 0 within 1e-6 and the first ratio is 1; after an update it is not 0."""
+    code = f"""
+import json
+import ppo_rlhf as P
+kls, real = [], P.score
+def score(models, batch, *a):
+    out = real(models, batch, *a)
+    kl = ((batch["logprobs"] - out["ref_logprobs"]) * batch["response_mask"]).sum(1)
+    kls.append(kl.abs().max().item())
+    return out
+P.score = score
+P.main(P.Args(model_name_or_path={tiny["llama"]!r}, reward_model_path=[{tiny["llama_rm"]!r}], dataset={tiny["prompts"]!r},
+              output_dir={str(tmp_path / "run")!r}, per_device_train_batch_size=4, total_episodes=16,
+              response_length=6, num_sample_generations=0, distributed="fsdp", dist_timeout_s=60, dtype="bf16",
+              shard_frozen_models=True, learning_rate=1e-3))
+print("kls", json.dumps(kls))
+P.leave_process_group()
+"""
+    with open(tmp_path / "run_bf16.py", "w") as f:
+        f.write(code)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(tmp_path / "run_bf16.py")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    kls = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("kls ")]
+    assert len(kls) == 2 and all(len(k) == 2 and k[0] < 1e-6 and k[1] > 1e-4 for k in kls), kls
+    metrics = read_metrics(str(tmp_path / "run"))
+    assert metrics[0]["policy/first_ratio"] == pytest.approx(1, abs=1e-6) and abs(metrics[1]["objective/kl"]) > 1e-5
 
 
 @needs_gloo
@@ -3330,7 +3381,12 @@ def one_update(tiny, batch, mode, gradient_accumulation_steps, **flags):
     trained = P.ppo_epochs(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batch, args,
                            P.check_args(args), rt)
     assert trained.optimizer_steps == args.num_ppo_epochs  # a target_kl stop after the last step changes nothing
-    return P.full_state_dict(model), trained
+    weights = P.full_state_dict(model)  # rank 0's; {} on the others
+    if mode == "fsdp":  # --save_dtype bf16 for the policy: its shards cast first, so the gather moves bf16
+        half = P.full_state_dict(model, {"policy": torch.bfloat16})
+        assert half.keys() == weights.keys() and all(torch.equal(v, weights[k].to(v.dtype)) and v.dtype == (
+            torch.bfloat16 if k.startswith("policy.") else torch.float32) for k, v in half.items())
+    return weights, trained
 
 
 def update_worker(rank, port, tiny, batch_file, mode, flags, out_file):
