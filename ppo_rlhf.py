@@ -229,18 +229,19 @@ class Args:
     """layers that get adapters; default every linear layer of attention and MLP (not the output)"""
     merge_lora: bool = False
     """with --lora_r: also write policy_merged/, the base with the adapter merged in"""
-    # --- system
+    # --- system; distributed: under torchrun, batch sizes above per device
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """autocast dtype; trained weights, AdamW and π_ref (as π_θ) stay fp32, reward models this one"""
     save_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     """dtype of the saved policy and value model (auto: the source checkpoint's)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~1/3 more compute"""
-    # --- distributed (under torchrun; batch sizes above are per device)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     """ddp: whole models on every device; fsdp: FSDP2 shards weights, gradients, optimizer state"""
     shard_frozen_models: bool = False
     """with fsdp: shard the reference and reward models too"""
+    offload_frozen_models: bool = False
+    """with --shard_frozen_models: their shards in host memory, each block's copied in for its forward"""
     rollout_unshard: bool = True
     """with fsdp: gather the policy once for the rollout (off: if it cannot fit one device)"""
     dist_timeout_s: int = 1800
@@ -793,6 +794,8 @@ FLAG_CONFLICTS = {
         lambda a: a.ref_model_path and a.lora_r,
     "--export_checkpoint needs --resume FOLDER, the checkpoint it writes": lambda a: a.export_checkpoint
         and a.resume in (None, "auto"),
+    "--offload_frozen_models needs --shard_frozen_models (it offloads their shards)":
+        lambda a: a.offload_frozen_models and not a.shard_frozen_models,
     "--merge_lora and --lora_target_modules need --lora_r > 0":
         lambda a: (a.merge_lora or a.lora_target_modules) and not a.lora_r,
     "--replay_rounds N > 0 and --replay_correction naive|decoupled go together":
@@ -1444,7 +1447,8 @@ def text_scores(models, rm_scores, prompts, rows, completions, completion_ids, t
         for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
             if reward_tokenizer is not None:  # its own tokenizer: it reads the text
                 rm_scores[j] = torch.cat([score_texts(reward_model, reward_tokenizer, prompts, rows[i : i + chunk],
-                                                      completions[i : i + chunk]) for i in range(0, len(rows), chunk)])
+                                                      completions[i : i + chunk], rt.device)
+                                         for i in range(0, len(rows), chunk)])
     # a vote, as for a non-finite loss: a reward function that fails on one rank stops them all
     fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, completion_ids, trainer_state)
     return torch.column_stack([*rm_scores, fn_scores.to(rt.device)])
@@ -1501,11 +1505,11 @@ def reward_text(reward_tokenizer, prompts, r, completion):
     return prompts.texts[r] + completion
 
 
-def score_texts(reward_model, reward_tokenizer, prompts, rows, completions):
+def score_texts(reward_model, reward_tokenizer, prompts, rows, completions, device):
     """A reward model's scores (B,) from text in its own tokenizer."""
     enc = reward_tokenizer([reward_text(reward_tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
                            padding=True, return_tensors="pt",
-                           add_special_tokens=prompts.messages[rows[0]] is None).to(reward_model.device)
+                           add_special_tokens=prompts.messages[rows[0]] is None).to(device)
     check_context(f"--reward_model_path {reward_model.name_or_path!r}", reward_model.config,
                   enc["input_ids"].shape[1], "prompt + response in its tokens", "lower --response_length")
     mask = enc["attention_mask"].bool()
@@ -1590,6 +1594,7 @@ class Runtime:
     torchrun: bool = False
     fsdp: bool = False
     low_dtype: Optional[torch.dtype] = None
+    offload: bool = False  # the frozen models' shards, under FSDP2
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.low_dtype) if self.low_dtype else nullcontext()
@@ -1613,7 +1618,8 @@ def start_processes(args):
     torchrun = in_process_group()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
     low_dtype = None if args.dtype == "fp32" else DTYPES[args.dtype]
-    return Runtime(rank, world_size, device, torchrun, torchrun and args.distributed == "fsdp", low_dtype)
+    return Runtime(rank, world_size, device, torchrun, torchrun and args.distributed == "fsdp", low_dtype,
+                   args.offload_frozen_models)
 
 
 def in_process_group():
@@ -1700,7 +1706,7 @@ def wrap_for_training(models, args, rt):
         frozen = [m for m in (models.ref_policy, *[rm for rm, _ in models.reward_models])
                   if args.shard_frozen_models and m not in (None, models.policy)]
         for module in [m for m in trained + frozen if not any(hasattr(x, "unshard") for x in m.modules())]:
-            shard(module, module in frozen, rt.low_dtype)
+            shard(module, module in frozen, rt)
     elif rt.torchrun:
         ddp = torch.nn.parallel.DistributedDataParallel
         no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
@@ -1709,16 +1715,18 @@ def wrap_for_training(models, args, rt):
     return model
 
 
-def shard(model, frozen=False, low_dtype=None):
+def shard(model, frozen=False, rt=Runtime()):
     """FSDP2: a unit per decoder block, then the root (a frozen one reshards after forward);
-    under bf16 gathered in bf16, gradients reduced in fp32 (the shards, and AdamW, stay in their dtype)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    policy = MixedPrecisionPolicy(param_dtype=low_dtype, reduce_dtype=torch.float32)
+    under bf16 gathered in bf16, gradients reduced in fp32 (the shards, and AdamW, stay in their dtype);
+    a frozen one with --offload_frozen_models: its shards in host memory (pinned on CUDA), copied in to be gathered."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=rt.low_dtype, reduce_dtype=torch.float32),
+              offload_policy=CPUOffloadPolicy(torch.cuda.is_available()) if frozen and rt.offload else OffloadPolicy())
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or ()):
-            fully_shard(module, mp_policy=policy)
+            fully_shard(module, **kw)
     for root in [backbone(model), model.score] if hasattr(model, "score") else [model]:
-        fully_shard(root, reshard_after_forward=frozen or None, mp_policy=policy)
+        fully_shard(root, reshard_after_forward=frozen or None, **kw)
 
 
 def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
@@ -1746,10 +1754,10 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
         return rt.rank == 0 and say(f"note: --{flag} {path!r}: not a folder of safetensors files with every weight, "
                                     "so each rank loads it whole, then shards it")
     buffers = {k: b.clone() for k, b in model.named_buffers()}  # to_empty() would leave them uninitialised
-    shard(model, frozen, rt.low_dtype)
-    model.to_empty(device=rt.device)
-    for key, buffer in buffers.items():
-        model.get_buffer(key).copy_(buffer)
+    shard(model, frozen, rt)
+    model.to_empty(device="cpu" if frozen and rt.offload else rt.device)  # FSDP2 offloads only from host memory
+    for key, buffer in buffers.items():  # on the device, where the inputs are
+        model.get_buffer(key).data = buffer.to(rt.device)
     weights = get_model_state_dict(model)  # this rank's shards, by name
     load({k: v for k, v in weights.items() if k in wanted - missing}, storage_reader=HuggingFaceStorageReader(folder))
     if missing:  # a whole head on every rank (the same seed), then its shard
@@ -1880,8 +1888,8 @@ def import_peft(flag):
 # Run-only fields: how a run is launched, stored or watched, not what it learns (beyond rounding:
 # --distributed, --shard_frozen_models; --eval_temperature: eval/). A resume may change only these.
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
-    save_every save_total_limit resume export_checkpoint distributed shard_frozen_models rollout_unshard
-    dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
+    save_every save_total_limit resume export_checkpoint distributed shard_frozen_models offload_frozen_models
+    rollout_unshard dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
 CHECKPOINT_FORMAT = 3  # of state.pt; a checkpoint of another format is refused (load_checkpoint)
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
 
