@@ -1721,7 +1721,7 @@ def shard(model, frozen=False, rt=Runtime()):
     a frozen one with --offload_frozen_models: its shards in host memory (pinned on CUDA), copied in to be gathered."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=rt.low_dtype, reduce_dtype=torch.float32),
-              offload_policy=CPUOffloadPolicy(torch.cuda.is_available()) if frozen and rt.offload else OffloadPolicy())
+              offload_policy=CPUOffloadPolicy(rt.device.type == "cuda") if frozen and rt.offload else OffloadPolicy())
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or ()):
             fully_shard(module, **kw)
