@@ -1890,7 +1890,7 @@ def import_peft(flag):
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
     save_every save_total_limit resume export_checkpoint distributed shard_frozen_models offload_frozen_models
     rollout_unshard dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
-CHECKPOINT_FORMAT = 3  # of state.pt; a checkpoint of another format is refused (load_checkpoint)
+CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (load_checkpoint), but 3 is still exported
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
 
 
@@ -2005,9 +2005,15 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
-    if state.get("format") != CHECKPOINT_FORMAT:
+    found = state.get("format")
+    exportable = found == 3 and args.export_checkpoint  # 3: the weights as 4's, replay in state.pt
+    if found != CHECKPOINT_FORMAT and not exportable:
+        how = "start a new run"
+        if found == 3:  # its weights can be read
+            how = ("export it (--export_checkpoint --resume FOLDER) and start a new run from the "
+                   "exported policy")
         fail(f"--resume {path!r} was written by another version of ppo_rlhf.py (checkpoint format "
-             f"{state.get('format')}, this one reads {CHECKPOINT_FORMAT}); start a new run")
+             f"{found}, this one reads {CHECKPOINT_FORMAT}); {how}")
     changed = [k for k, v in asdict(args).items() if state["config"].get(k) != v
                and k not in RUN_ONLY_FIELDS | {"stop_token", "stop_token_id"}]  # stop ids: below
     if changed:
@@ -2019,22 +2025,30 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
     if state["world_size"] != rt.world_size and not args.export_checkpoint:  # the prompt stream depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
+    progress = {key: state[key] for key in progress if key != "replay"}
+    if args.replay_rounds and not args.export_checkpoint:  # this rank's buffer (an export: none)
+        file = f"replay-rank{rt.rank}.pt"
+        error = None
+        try:
+            progress["replay"] = torch.load(os.path.join(path, file), map_location=rt.device,
+                                            weights_only=True)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            error = f"{file}: {str(e).strip().splitlines()[0]}"
+        failed = list(filter(None, all_ranks_objects(error)))  # every rank skips it, or none does
+        if failed:
+            raise OSError(failed[0])  # damaged: resume() tries an older one
     trained = trained_state(model, optimizer, args)
     quietly(dcp.load, trained, checkpoint_id=path, no_dist=not rt.torchrun)  # each rank reads its shards
     set_state_dict(model, optimizer, options=StateDictOptions(strict=not args.lora_r),
                    model_state_dict=trained["model"], optim_state_dict=trained["optimizer"])
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     scaler.load_state_dict(state["scaler"])
-    progress = {key: state[key] for key in progress}
-    if args.replay_rounds:  # this rank's buffer, out of the file's memory map
-        progress["replay"] = replay_on(progress["replay"][rt.rank], rt.device, copy=True)
     return state["update"], progress
 
 
-def replay_on(batches, device, copy=False):
+def replay_on(batches, device):
     """The replay buffer's batches with their tensors on device."""
-    return [{k: v.to(device, copy=copy) if torch.is_tensor(v) else v for k, v in b.items()}
-            for b in batches]
+    return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
 
 
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
@@ -2111,19 +2125,23 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
     if not (stop or args.save_every and update % args.save_every == 0):
         return False
     import torch.distributed.checkpoint as dcp
-    if "replay" in progress:  # every rank's buffer, rank 0 writes them all (a collective)
-        progress = {**progress, "replay": all_ranks_objects(replay_on(progress["replay"], "cpu"))}
+    progress = dict(progress)
+    replay = progress.pop("replay", None)
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
     with save_folder(path, rt.torchrun) as tmp:  # weights and AdamW state: each rank its shards (DCP, fsynced)
         quietly(dcp.save, trained_state(model, optimizer, args), checkpoint_id=tmp, no_dist=not rt.torchrun)
+        files = {}
+        if replay is not None:  # each rank its own buffer, which a resume reads back
+            files[f"replay-rank{rt.rank}.pt"] = replay_on(replay, "cpu")
         if rt.rank == 0:  # the rest, small
-            state = dict(update=update, **progress, lr_scheduler=lr_scheduler.state_dict(), scaler=scaler.state_dict(),
-                         world_size=rt.world_size, config={k: v for k, v in asdict(args).items()
-                                                           if k not in RUN_ONLY_FIELDS},
+            config = {k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS}
+            state = dict(update=update, **progress, lr_scheduler=lr_scheduler.state_dict(),
+                         scaler=scaler.state_dict(), world_size=rt.world_size, config=config,
                          stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
-            file = os.path.join(tmp, "state.pt")
-            torch.save(state, file)
-            with open(file, "rb") as f:
+            files["state.pt"] = state
+        for name, value in files.items():  # on disk before the folder is swapped in
+            torch.save(value, os.path.join(tmp, name))
+            with open(os.path.join(tmp, name), "rb") as f:
                 os.fsync(f.fileno())
     for old in list_checkpoints(output_dir)[:-args.save_total_limit] if rt.rank == 0 else []:
         shutil.rmtree(old)

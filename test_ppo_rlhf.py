@@ -1429,19 +1429,31 @@ def test_the_built_in_reward_reads_the_token_ids():
     assert P.addition_reward(longer, ["7"] * 4) == [partial, partial, 1.0, 0.0]  # at --response_length 3 or more
 
 
-@pytest.mark.parametrize("format", [None, 1])
+@pytest.mark.parametrize("format", [None, 1, 3])
 def test_a_checkpoint_of_another_format_is_refused_in_one_line(tmp_path, format):
-    """state.pt carries CHECKPOINT_FORMAT; one without it (or of another) was written by another version."""
+    """state.pt carries CHECKPOINT_FORMAT; one without it (or of another) was written by another
+    version. Format 3 (replay buffers inside state.pt, the weights as now) is refused on resume, but
+    still exported."""
     args = P.Args(output_dir=str(tmp_path / "run"), total_episodes=256, save_every=1, num_sample_generations=0)
     P.main(args)
     path = os.path.join(args.output_dir, "checkpoint-000001")
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
-    assert state["format"] == P.CHECKPOINT_FORMAT
+    assert state["format"] == P.CHECKPOINT_FORMAT == 4
     state["format"] = format
     torch.save({k: v for k, v in state.items() if v is not None}, os.path.join(path, "state.pt"))
     with pytest.raises(SystemExit, match=f"another version of ppo_rlhf.py \\(checkpoint format {format}") as exc:
         P.main(dataclasses.replace(args, resume=path))
     assert "\n" not in str(exc.value) and len(read_metrics(args.output_dir)) == 2
+    if format == 3:
+        how = "export it (--export_checkpoint --resume FOLDER) and start a new run"
+        assert str(exc.value).endswith(f"; {how} from the exported policy")
+        exported = str(tmp_path / "exported")
+        P.main(dataclasses.replace(args, resume=path, export_checkpoint=True, output_dir=exported))
+        with open(os.path.join(exported, "complete.json")) as f:
+            assert json.load(f)["updates"] == 1
+        weights, policy = checkpoint_state(path)["model"], final_weights(exported)["policy"]
+        assert len(policy) > 10
+        assert all(torch.equal(v, weights[f"policy.{k}"]) for k, v in policy.items())
 
 
 @pytest.mark.parametrize("dtype,gradient_checkpointing", [("bf16", False), ("fp16", False), ("fp32", True)])
@@ -2930,10 +2942,13 @@ def test_resume_auto_on_a_crashed_run_sets_its_metrics_aside_and_starts_over(tin
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2]
 
 
-@pytest.mark.parametrize("damaged", ["state.pt", "__0_0.distcp"])  # the small state, or a DCP shard of the weights
+@pytest.mark.parametrize("damaged", ["state.pt", "__0_0.distcp", "replay-rank0.pt"])
 def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys, damaged):
+    """The small state, a DCP shard of the weights, or rank 0's replay buffer (cut, then lost)."""
+    replay = dict(replay_rounds=1, replay_correction="naive") if damaged[:6] == "replay" else {}
     args = run_args(tiny, tmp_path, total_episodes=24, save_every=1,  # 3 updates; checkpoints 2 and 3 are kept
-                    eval_dataset=tiny["txt"], num_sample_generations=3)  # an evaluation after each update
+                    eval_dataset=tiny["txt"], num_sample_generations=3,  # an evaluation each update
+                    **replay)
     P.main(args)
     newest = os.path.join(args.output_dir, "checkpoint-000003")
     checkpoints = sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint"))
@@ -2943,7 +2958,9 @@ def test_a_damaged_checkpoint_is_refused_or_skipped(tiny, tmp_path, capsys, dama
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(SystemExit, match="--resume") as exc:
         P.main(dataclasses.replace(args, resume=newest))
-    assert "\n" not in str(exc.value)
+    assert "\n" not in str(exc.value) and (not replay or "replay-rank0.pt: " in str(exc.value))
+    if replay:  # lost, not only cut short: skipped too
+        os.remove(weights)
     os.remove(os.path.join(args.output_dir, "complete.json"))  # as if stopped before its end: auto resumes it
     P.main(dataclasses.replace(args, resume="auto"))
     assert "skipping damaged checkpoint" in capsys.readouterr().err
@@ -3001,7 +3018,8 @@ def torchrun(*args, timeout=300):
 @pytest.mark.parametrize("mode,replay", [("ddp", ()), ("fsdp", ()), ("fsdp", REPLAY)],
                          ids=["ddp", "fsdp", "fsdp_replay"])
 def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode, replay):
-    """Also with replay: each rank replays its own rows, the checkpoint holds both ranks' buffers."""
+    """Also with replay: each rank replays its own rows, the checkpoint holds each rank's buffer in
+    a file of its own, and a checkpoint that lost rank 1's file is skipped by both ranks."""
     out = str(tmp_path / mode)
     flags = ["--model_name_or_path", tiny["gpt2"], "--reward_model_path", tiny["gpt2_rm"], tiny["other_rm"],
              "--dataset", tiny["prompts"], "--output_dir", out, "--total_episodes", "32",
@@ -3019,22 +3037,30 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode, rep
     check_run(out, tiny["gpt2"], replayed, value_init=tiny["gpt2_rm"])  # null: nothing replayed at update 1
     assert sorted(os.listdir(out)) == ["checkpoint-000001", "checkpoint-000002", "complete.json", "metrics.jsonl",
                                        "policy", "value_model"]
-    state = torch.load(os.path.join(out, "checkpoint-000002", "state.pt"), weights_only=True)
+    newest, first = os.path.join(out, "checkpoint-000002"), os.path.join(out, "checkpoint-000001")
+    state = torch.load(os.path.join(newest, "state.pt"), weights_only=True)
     if replay:  # rank r's buffer: its rows of updates 1 and 2, by update
-        assert [[b["update"] for b in rank] for rank in state["replay"]] == [[0, 1], [0, 1]]
-        assert not torch.equal(*[rank[0]["query_responses"][:, -6:] for rank in state["replay"]])
+        files = [os.path.join(newest, f"replay-rank{r}.pt") for r in (0, 1)]
+        buffers = [torch.load(file, weights_only=True) for file in files]
+        assert [[b["update"] for b in rank] for rank in buffers] == [[0, 1], [0, 1]]
+        assert "replay" not in state
+        assert not torch.equal(*[rank[0]["query_responses"][:, -6:] for rank in buffers])
         assert metrics[1]["replay/share"] > 0.4 and metrics[1]["replay/weight_max"] > 1
-    last = checkpoint_state(os.path.join(out, "checkpoint-000002"))["model"]
+        os.remove(files[1])  # rank 0 could load the newest checkpoint, rank 1 cannot
+        os.remove(os.path.join(out, "complete.json"))  # as if stopped: --resume auto tries it first
+    last = checkpoint_state(newest)["model"]
     for name, weights in final_weights(out).items():  # the saved models are the whole trained ones, not a shard
         assert all(torch.equal(value, last[f"{name}.{key}"]) for key, value in weights.items()) and len(weights) > 20
     # resuming from the first checkpoint redoes update 2 exactly: weights and optimizer state came back whole
-    resumed = torchrun(*flags, "--resume", os.path.join(out, "checkpoint-000001"))
-    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    resumed = torchrun(*flags, "--resume", "auto" if replay else first)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {first} " in resumed.stdout
     assert [DETERMINISTIC_KEYS(m) for m in read_metrics(out)] == [DETERMINISTIC_KEYS(m) for m in metrics]
     if replay:
+        assert f"skipping damaged checkpoint {newest}: replay-rank1.pt: " in resumed.stderr
         return
     # one process exports the 2-rank checkpoint: its trained weights as from_pretrained folders, no update
-    exported, first = str(tmp_path / "exported"), os.path.join(out, "checkpoint-000001")
+    exported = str(tmp_path / "exported")
     result = subprocess.run([sys.executable, SCRIPT, *flags, "--output_dir", exported, "--resume", first,
                              "--export_checkpoint"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
