@@ -1767,6 +1767,9 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
         model._init_weights(head.to_empty(device="cpu"))
         set_model_state_dict(model, {f"score.{k}": v for k, v in head.state_dict().items()},
                              options=StateDictOptions(full_state_dict=True, strict=False))
+    # stop ids and sampling settings, read as from_pretrained reads them: every save writes them
+    if model.can_generate() and os.path.isfile(os.path.join(folder, "generation_config.json")):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     return model, {"missing_keys": missing, "unexpected_keys": stored - wanted}
 
 

@@ -3075,6 +3075,46 @@ def test_torchrun_runs_complete_and_only_rank_0_writes(tiny, tmp_path, mode, rep
 
 
 @needs_gloo
+def test_fsdp_saves_keep_the_generation_config_and_2_ranks_export_a_1_process_replay_checkpoint(
+        tiny, tmp_path):
+    """Under FSDP2 the policy loads into its shards, not by from_pretrained: its final save and a
+    2-rank --export_checkpoint still write the model's generation_config.json (stop ids, sampling).
+    The export is of a 1-process replay checkpoint: it reads no replay buffer, so 2 ranks can."""
+    model = str(tmp_path / "chat")
+    shutil.copytree(tiny["chat"], model)
+    sampling = dict(do_sample=True, temperature=0.7, top_p=0.9, top_k=7)  # none of them a default
+    with open(os.path.join(model, "generation_config.json")) as f:
+        generation_config = json.load(f)
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        json.dump({**generation_config, **sampling}, f)
+    args = run_args(tiny, tmp_path, model_name_or_path=model, reward_model_path=None,
+                    reward_fn=[f"{__file__}:chat_words"], dataset=tiny["chat_prompts"],
+                    save_every=1, replay_rounds=1, replay_correction="naive")  # 2 updates
+    P.main(args)
+    flags = ["--model_name_or_path", model, "--reward_fn", f"{__file__}:chat_words",
+             "--dataset", tiny["chat_prompts"], "--total_episodes", "16",
+             "--per_device_train_batch_size", "8", "--num_mini_batches", "2",
+             "--num_ppo_epochs", "2", "--response_length", "6", "--learning_rate", "1e-3",
+             "--num_sample_generations", "0", "--replay_rounds", "1",
+             "--replay_correction", "naive", "--distributed", "fsdp"]
+    trained, exported = str(tmp_path / "fsdp"), str(tmp_path / "exported")
+    result = torchrun(*flags, "--output_dir", trained)  # 1 update of 2 ranks
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = os.path.join(args.output_dir, "checkpoint-000001")
+    result = torchrun(*flags, "--output_dir", exported, "--resume", first, "--export_checkpoint")
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights, policy = checkpoint_state(first)["model"], final_weights(exported)["policy"]
+    assert len(policy) > 10
+    assert all(torch.equal(v, weights[f"policy.{k}"]) for k, v in policy.items())
+    for folder in (trained, exported):
+        with open(os.path.join(folder, "policy", "generation_config.json")) as f:
+            written = json.load(f)
+        eos = written.get("eos_token_id")
+        assert set(eos if isinstance(eos, list) else [eos]) == {0, 3}, (folder, written)
+        assert {k: written.get(k) for k in sampling} == sampling, (folder, written)
+
+
+@needs_gloo
 def test_a_killed_two_rank_run_with_replay_resumes_bit_identically(tiny, tmp_path):
     """SIGKILL to torchrun and both ranks mid-run with --replay_rounds 2: --resume auto reloads each rank's buffer and
     the run ends as one never stopped (metrics and saved weights)."""
