@@ -161,6 +161,8 @@ class Args:
     """reward: r_t −= β·KL_t; loss: loss += β·agg(KL_t), a gradient through π_θ (ppo_loss)"""
     kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
     """KL_t per token from samples (kl_estimate); unset: k1 in the reward, k3 in the loss"""
+    use_bias_correction_kl: bool = True
+    """--kl_in loss: ρ_t·KL_t (TRL): ∇KL(π_θ‖π_ref) at any θ; off: k3's ∇KL(π_ref‖π_θ) at θ_old"""
     adaptive_kl_target: Optional[float] = None
     """adapt β towards this KL per response after each update (adaptive_kl_coef); unset: fixed"""
     adaptive_kl_horizon: int = 10000
@@ -189,8 +191,9 @@ class Args:
     """weight L_clip by w = π_old/μ, the sampler's mismatch (bf16/fp16), per token or response (rollout_weights)"""
     rollout_correction_cap: float = 3.0
     """C of --rollout_correction: min(w, C) (truncate) or 0 where w > C (mask)"""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """how the policy, KL and entropy terms average over a minibatch (aggregate)"""
+    loss_agg: Optional[
+        Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]] = None
+    """the terms' mean (aggregate); unset: seq_mean_token_mean with GSPO or SAPO, else token_mean"""
     entropy_coef: float = 0.0
     """c_H: loss −= c_H·agg(entropy of π_θ)"""
     cliprange_value: float = 0.2
@@ -330,6 +333,13 @@ def baselined_scores(scores, num_generations, advantage_estimator):
     return centered.flatten()
 
 
+def equal_score_groups(scores, num_generations):
+    """Groups (k consecutive rows) whose scores all equal, so A = 0 for all: (B,) -> (B/k,). Not
+    std == 0: float32's std of eight 0.1 is 8e-9."""
+    groups = scores.view(-1, num_generations)
+    return (groups == groups[:, :1]).all(1)
+
+
 def per_token_rewards(scores, kl, response_mask, kl_coef):
     """r_t = −β·KL_t, plus the score on the last real token; 0 after it. (B,), (B, T) -> (B, T)."""
     rewards = torch.where(response_mask, -kl_coef * kl, 0.0)
@@ -399,7 +409,9 @@ def aggregate(x, mask, loss_agg, response_length):
     responses = mask.any(-1).sum().clamp(min=1)
     if loss_agg == "seq_mean_token_mean":
         return response_mean(x, mask).sum() / responses
-    return torch.where(mask, x, 0.0).sum(-1).sum() / (responses * response_length)
+    if loss_agg == "seq_mean_token_sum_norm":
+        return torch.where(mask, x, 0.0).sum(-1).sum() / (responses * response_length)
+    raise ValueError(f"aggregate: no branch for loss_agg {loss_agg!r}")
 
 
 # ------------------------------------------------------------------------ π and V on padded batches
@@ -564,13 +576,14 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
 
 
 # ----------------------------------------------------------------------------------- the PPO update
-def advantages_and_returns(rewards, values, mask, args):
-    """Phase 4: A_t, R_t = A_t + V_t by GAE (value-free: V = 0, λ = 1, the reward-to-go), whitened
-    over the global batch except group baselines. (B, R) -> (B, R), (B, R)."""
+def advantages_and_returns(rewards, values, mask, loss_mask, args):
+    """Phase 4: A_t, R_t = A_t + V_t by GAE over the response (value-free: V = 0, λ = 1, the reward-
+    to-go), whitened with the global batch's statistics of the tokens in the loss, except group
+    baselines. (B, R) -> (B, R), (B, R)."""
     lam = args.lam if args.advantage_estimator == "gae" else 1.0  # GAE's V; the others are value-free
     advantages, returns = gae(rewards, values, mask, args.gamma, lam)
     if args.advantage_estimator not in GROUP_NORMALISED:
-        advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, mask))
+        advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, loss_mask))
     return advantages, returns
 
 
@@ -587,7 +600,8 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
             mb_tokens, mb_responses = all_ranks_sum(torch.stack([loss_mask.sum(), loss_mask.any(1).sum()]).float())
             if mb_tokens == 0:  # no token in the loss: no step
                 continue
-            mb_approxkl, non_finite = [], torch.zeros((), device=lengths.device)
+            approxkl_sum = torch.zeros((), device=lengths.device)  # Σ over its tokens on this rank
+            non_finite = torch.zeros((), device=lengths.device)
             micro_batches = mb_rows.split(sizes.micro_batch_size)
             for i, rows in enumerate(micro_batches):
                 L = lengths[rows].max().item()  # pay only for real tokens
@@ -614,10 +628,13 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                     non_finite += ~torch.isfinite(loss)  # voted on by all ranks below
                     scaler.scale(loss).backward()
                 update_stats(stats, mb, entropy, losses, tokens)
-                mb_approxkl.append(stats["policy/approxkl_avg"][-1])
+                approxkl = torch.where(mb["response_mask"], tokens["approxkl"].detach(), 0.0)
+                approxkl_sum += approxkl.sum()
                 train_tokens += batch["attention_mask"][rows, :width].sum().item()
             # early stop and the non-finite vote use every rank's numbers: all take the same path
-            approxkl_sum, non_finite = all_ranks_sum(torch.stack([torch.stack(mb_approxkl).mean(), non_finite]))
+            approxkl_sum, non_finite = all_ranks_sum(torch.stack([approxkl_sum, non_finite]))
+            approxkl = approxkl_sum / mb_tokens  # the minibatch's token mean over all ranks
+            stats["policy/approxkl_avg"].append(approxkl)
             grad_norm = None if non_finite else optimizer_step(optimizer, scaler, params, args.max_grad_norm)
             if grad_norm is None:
                 stop_reason = "non-finite loss" if non_finite else "non-finite gradient"
@@ -625,7 +642,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
             if torch.isfinite(grad_norm):  # else GradScaler skipped it
                 stats["policy/grad_norm"].append(grad_norm.float())
                 optimizer_steps += 1
-            if args.target_kl is not None and approxkl_sum / rt.world_size > args.target_kl:
+            if args.target_kl is not None and approxkl > args.target_kl:
                 stop_reason = "target_kl"
                 break
         if stop_reason:
@@ -642,14 +659,19 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     agg = lambda x: aggregate(x, mask, args.loss_agg, args.response_length)  # noqa: E731
     pg_tokens, tokens = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], mask, args)
     weights = mb.get("weights", 1.0)  # replay_batch's: --rollout_correction, decoupled replay
-    if args.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: A < 0 and far from μ: out
+    if args.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: a response whose return is < 0
         drift = response_mean(mb["sampler_logprobs"] - new_logprobs.detach(), mask)  # (b, 1)
-        tokens["off_policy_masked"] = out = (mb["advantages"] < 0) & (drift > args.off_policy_mask_threshold)
+        negative = mb["advantages"][:, :1] < 0  # A at its first token: the whole response's
+        tokens["off_policy_masked"] = out = negative & (drift > args.off_policy_mask_threshold)
         weights = weights * ~out
     policy_term = agg(weights * pg_tokens)  # the weights act on L_clip only
     losses = {"loss/policy_avg": policy_term}
     if args.kl_in == "loss" and kl_coef:  # a gradient through π_θ
-        losses["loss/kl_avg"] = kl_loss = agg(kl_estimate(new_logprobs, mb["ref_logprobs"], args.kl_estimator))
+        kl = kl_estimate(new_logprobs, mb["ref_logprobs"], args.kl_estimator)
+        if args.use_bias_correction_kl:  # E_π_old[ρ·k] = E_π_θ[k]: ∇KL(π_θ‖π_ref) at any θ
+            rho = (new_logprobs - mb["logprobs"]).exp()  # π_θ/π_old, the clip's π_old
+            kl = kl * (rho.detach() if args.kl_estimator == "k2" else rho)  # k2: exact with sg(ρ)
+        losses["loss/kl_avg"] = kl_loss = agg(kl)
         policy_term = policy_term + kl_coef * kl_loss
     if args.entropy_coef:
         policy_term = policy_term - args.entropy_coef * agg(entropy)
@@ -720,12 +742,14 @@ def main(args: Args):
         if args.whiten_rewards:  # over all ranks, mean kept
             rewards = masked_whiten(rewards, mask, *global_mean_var(rewards, mask), shift_mean=False)
 
-        # 4. advantages: GAE, whitened over the global batch (value-free: the reward-to-go)
-        advantages, returns = advantages_and_returns(rewards, batch["values"], mask, args)
+        # 4. advantages: GAE, whitened over the tokens in the loss of the global batch (value-free:
+        # the reward-to-go)
         loss_mask = mask & ~batch["truncated"][:, None] if args.mask_truncated_completions else mask
         if args.filter_zero_std_groups:  # a group of equal scores has A = 0, yet it dilutes the mean
-            groups = scores.view(-1, args.num_generations)
-            loss_mask = loss_mask & (groups.std(1) > 0).repeat_interleave(args.num_generations)[:, None]
+            equal = equal_score_groups(scores, args.num_generations)
+            loss_mask = loss_mask & ~equal.repeat_interleave(args.num_generations)[:, None]
+        advantages, returns = advantages_and_returns(rewards, batch["values"], mask, loss_mask,
+                                                     args)
         batch.update(scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
                      kl_coef=kl_coef, reward_kl_coef=reward_kl_coef, loss_mask=loss_mask)
 
@@ -804,9 +828,9 @@ FLAG_CONFLICTS = {
         lambda a: a.replay_weight_cap is not None and a.replay_correction != "decoupled",
     "--warmup_ratio needs --lr_scheduler_type linear or cosine (constant has no warmup)":
         lambda a: a.lr_scheduler_type == "constant" and a.warmup_ratio,  # transformers' ignores warmup
-    # E_π_old[∇k1] = −∇KL(π_old‖π_θ): nothing toward π_ref
-    "--kl_estimator k1 with --kl_in loss pulls nothing toward π_ref: give k3 or k2":
-        lambda a: a.kl_in == "loss" and a.kl_estimator == "k1",
+    # E_π_old[∇k1] = −∇KL(π_old‖π_θ): nothing toward π_ref (ρ·k1's is ∇KL(π_θ‖π_ref))
+    "--kl_estimator k1, --kl_in loss and --no-use-bias-correction-kl pull nothing toward π_ref":
+        lambda a: a.kl_in == "loss" and a.kl_estimator == "k1" and not a.use_bias_correction_kl,
     "--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0":
         lambda a: a.adaptive_kl_target is not None and a.kl_coef == 0,
     "--dual_clip bounds the clipped surrogate: it needs --policy_loss clip":
@@ -842,6 +866,13 @@ def check_args(args):
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
     args.kl_estimator = args.kl_estimator or ("k3" if args.kl_in == "loss" else "k1")  # as TRL's PPO, GRPO
+    per_response = args.importance_sampling_level == "sequence" or args.policy_loss == "sapo"
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    if per_response and args.loss_agg not in (None, "seq_mean_token_mean") and rank0:  # as TRL
+        say(f"warning: --loss_agg {args.loss_agg} weights each response by its length; GSPO and "
+            "SAPO average per response (seq_mean_token_mean)", file=sys.stderr)
+    if args.loss_agg is None:  # as veRL: a response's one ratio (or gate) counts once
+        args.loss_agg = "seq_mean_token_mean" if per_response else "token_mean"
     for allowed, (ok, flags) in FLAG_RANGES.items():
         for flag in flags:  # NaN fails every comparison; inf is refused too
             value = getattr(args, flag)
@@ -918,6 +949,9 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     tokenizer = from_pretrained(AutoTokenizer, model_path if own_tokenizer else base_model,
                                 "model_name_or_path", args)
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base_model, policy_config)
+    if not stop_token_ids and int(os.environ.get("RANK", 0)) == 0:
+        say("note: no stop id (--stop_token, --stop_token_id, the tokenizer, generation_config): "
+            f"every response runs to --response_length {args.response_length}")
     context = check_context(f"--model_name_or_path {model_path!r}", policy_config,
                             (args.max_prompt_length or 1) + args.response_length,
                             f"--max_prompt_length {args.max_prompt_length or 1} + "
@@ -1137,7 +1171,8 @@ def replay_batch(progress, batch, update, models, args, rt):
     age = torch.cat([torch.full_like(b["lengths"], update - b["update"]) for b in parts])  # (ΣB,)
     train.update(context_length=P, kl_coef=batch["kl_coef"], age=age)
     mask, age, prox, mu = train["response_mask"], age[:, None], train["prox"], train["logprobs"]
-    advantages, train["returns"] = advantages_and_returns(train["rewards"], train["values"], mask, args)
+    advantages, train["returns"] = advantages_and_returns(train["rewards"], train["values"], mask,
+                                                          train["loss_mask"], args)
     if args.advantage_estimator == "gae":  # with today's V; value-free rows keep their batch's advantages
         train["advantages"] = advantages
     # how stale the rows are (k3: KL(μ‖π_prox); π_prox/μ before the cap, the share above it), each
@@ -1675,7 +1710,7 @@ def leave_process_group():
 def global_mean_var(x, mask):
     """Mean and unbiased variance of the real entries over all ranks (two passes: Σx, Σ(x − μ)²)."""
     n, total = all_ranks_sum(torch.stack([mask.sum().to(x.dtype), torch.where(mask, x, 0.0).sum()]))
-    mean = total / n
+    mean = total / n.clamp(min=1)  # no entry (every token out of the loss): 0, not NaN
     return mean, all_ranks_sum(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
 
 
@@ -2191,12 +2226,16 @@ def masked_var(x, mask):
 
 
 def ratio_stats(tokens, mask):
-    """policy_loss's token statistics as means over the real tokens, under TRL's names."""
-    names = {"clipped": "policy/clipfrac_avg", "approxkl": "policy/approxkl_avg", "ratio": "val/ratio",
-             "outside": "policy/ratio_outside_clip_avg", "dual_clipped": "policy/dual_clipfrac_avg",
-             "off_policy_masked": "policy/off_policy_masked_frac"}
+    """policy_loss's token statistics as means over the real tokens, under TRL's names; the
+    off-policy mask's over responses (the approx KL: ppo_epochs', per minibatch)."""
+    names = {"clipped": "policy/clipfrac_avg", "ratio": "val/ratio",
+             "outside": "policy/ratio_outside_clip_avg", "dual_clipped": "policy/dual_clipfrac_avg"}
     ratio = tokens["ratio"]
-    stats = {names[k]: masked_mean(x.to(ratio.dtype), mask) for k, x in tokens.items() if x is not None}
+    stats = {names[k]: masked_mean(tokens[k].to(ratio.dtype), mask)
+             for k in names if tokens[k] is not None}
+    if "off_policy_masked" in tokens:  # (b, 1): whole responses
+        masked = tokens["off_policy_masked"][:, 0].to(ratio.dtype)
+        stats["policy/off_policy_masked_frac"] = masked_mean(masked, mask.any(1))
     return dict(stats, **{"val/ratio_var": masked_var(ratio, mask)})
 
 
@@ -2246,7 +2285,8 @@ def update_metrics(batch, trained, models, args, rt):
         variances = [global_mean_var(x, mask)[1] for x in (returns - batch["values"], returns)]
         averaged["val/explained_variance"] = explained_variance(*variances)
     if args.num_generations > 1:  # groups with A = 0
-        averaged["objective/frac_reward_zero_std"] = (scores.view(-1, args.num_generations).std(1) == 0).float().mean()
+        equal = equal_score_groups(scores, args.num_generations)
+        averaged["objective/frac_reward_zero_std"] = equal.float().mean()
     if stats:  # must be 1 and 0 (fresh tokens: replay_stats)
         averaged["policy/first_ratio"] = stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = stats["policy/approxkl_avg"][0]
@@ -2290,7 +2330,8 @@ def health_hints(window, args, has_stop_token):
     """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}."""
     hints, last, n = {}, window[-1], len(window)
     outside = last.get("replay/outside_clip_fresh", last.get("policy/ratio_outside_clip_avg", 0.0))
-    if outside > 0.5 and args.policy_loss == "clip":  # fresh tokens under replay; absent if no step
+    token_clip = args.policy_loss == "clip" and args.importance_sampling_level == "token"
+    if outside > 0.5 and token_clip:  # its 50% suits PPO's ε; fresh tokens under replay
         hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε_high] in this "
                           "update: the policy moves too far per update; lower --learning_rate or --num_ppo_epochs (or "
                           "set --target_kl)")

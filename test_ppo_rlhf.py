@@ -51,6 +51,10 @@ def nan_score(prompts, completions):
     return [float("nan")] + [0.0] * (len(completions) - 1)
 
 
+def a_tenth(prompts, completions):
+    return [0.1] * len(completions)
+
+
 def huge_score(prompts, completions):
     return [1e30 * (i % 2) for i in range(len(completions))]
 
@@ -498,6 +502,28 @@ def test_gae_closed_forms():
     assert torch.allclose(P.gae(rewards, values, mask, 0.8, 1.0)[0], (discounted - values) * mask)
 
 
+def test_advantages_are_whitened_with_the_statistics_of_the_tokens_in_the_loss():
+    """Phase 4: GAE runs over every response token (the returns are GAE's), and the whitening takes
+    its mean and variance over the tokens in the loss (loss_mask: here a cut-off response and part
+    of another are out), so that the tokens that train have mean 0 and variance 1; group baselines
+    are not whitened."""
+    gen = torch.Generator().manual_seed(8)
+    mask = torch.arange(6) < torch.tensor([6, 2, 4, 5])[:, None]
+    loss_mask = mask & torch.tensor([True, False, True, True])[:, None]  # response 1 was cut off
+    rewards, values = (torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(2))
+    rewards[1] += 10.0  # far from the rest: whitening over `mask` would move every advantage
+    raw, returns = P.gae(rewards, values, mask, 1.0, 0.95)
+    advantages, got_returns = P.advantages_and_returns(rewards, values, mask, loss_mask, P.Args())
+    trained = raw[loss_mask]
+    expected = (raw - trained.mean()) / (trained.var() + 1e-8).sqrt()
+    assert torch.equal(got_returns, returns) and torch.allclose(advantages[mask], expected[mask])
+    assert advantages[loss_mask].mean().abs() < 1e-12
+    assert advantages[loss_mask].var() == pytest.approx(1, abs=1e-6)
+    grpo = P.Args(advantage_estimator="grpo")
+    group = P.advantages_and_returns(rewards, values, mask, loss_mask, grpo)[0]
+    assert torch.equal(group, P.gae(rewards, values, mask, 1.0, 1.0)[0])
+
+
 def test_policy_loss_at_ratio_one():
     gen = torch.Generator().manual_seed(3)
     old = torch.randn(4, 5, dtype=torch.float64, generator=gen)
@@ -505,7 +531,8 @@ def test_policy_loss_at_ratio_one():
     mask = random_mask((4, 5), 3)
     new = old.clone().requires_grad_()
     per_token, tokens = P.policy_loss(new, old, advantages, None, P.Args())
-    clipfrac, approxkl = (P.ratio_stats(tokens, mask)[k] for k in ("policy/clipfrac_avg", "policy/approxkl_avg"))
+    clipfrac = P.ratio_stats(tokens, mask)["policy/clipfrac_avg"]
+    approxkl = P.masked_mean(tokens["approxkl"], mask)  # ppo_epochs' statistic on one micro-batch
     loss = P.aggregate(per_token, mask, "token_mean", 5)
     loss.backward()
     assert torch.allclose(loss, -advantages[mask].mean())
@@ -520,7 +547,8 @@ def test_policy_loss_in_the_clipped_regions():
     mask = torch.ones_like(advantages, dtype=torch.bool)
     new = log_ratio.clone().requires_grad_()
     per_token, tokens = P.policy_loss(new, torch.zeros_like(new), advantages, None, P.Args(cliprange=eps))
-    clipfrac, approxkl = (P.ratio_stats(tokens, mask)[k] for k in ("policy/clipfrac_avg", "policy/approxkl_avg"))
+    clipfrac = P.ratio_stats(tokens, mask)["policy/clipfrac_avg"]
+    approxkl = P.masked_mean(tokens["approxkl"], mask)  # ppo_epochs' statistic on one micro-batch
     loss = per_token.mean()
     loss.backward()
     ratio = log_ratio.exp()
@@ -634,16 +662,24 @@ def test_rollout_weights_per_token_and_per_response():
 
 
 def test_the_off_policy_mask_drops_negative_responses_that_drifted_from_the_sampler():
-    """--off_policy_mask_threshold δ (DeepSeek-V3.2): a response with A < 0 whose mean_t(log μ − log π_θ) > δ
-    leaves the policy term (not its denominator); A ≥ 0 or a drift ≤ δ stays; KL and entropy stay; the share is
-    policy/off_policy_masked_frac."""
+    """--off_policy_mask_threshold δ (DeepSeek-V3.2): a response whose advantage at its first token
+    (its whole return) is < 0 and whose mean_t(log μ − log π_θ) > δ leaves the policy term whole
+    (not its denominator), even where a later token's A is > 0 (a reward-to-go that changes sign, as
+    the KL in the reward makes it); A_0 ≥ 0 or a drift ≤ δ stays whole, negative later tokens too;
+    KL and entropy stay; the share of responses is policy/off_policy_masked_frac."""
     mask, old, new, advantages, mu = ragged_losses_inputs()
+    advantages[1, 1] = 0.4  # A_0 < 0, a positive later token: masked with its response
+    advantages[4, 2:] = -0.5  # A_0 = 0, negative later tokens: kept with their response
+    mu[2] -= 1.0  # near π_θ, far from π_old: the drift is from μ
     drift = torch.where(mask, mu - new, 0.0).sum(1) / mask.sum(1)
-    delta = drift[1:3].min().item() - 1e-3  # responses 1 and 2 (A < 0) drift past δ
-    assert (drift[[0, 3]] > delta).any()  # a drifted response with A > 0 stays
+    delta = drift[4].item() / 2  # responses 1, 3, 4 drift past δ
+    assert max(drift[0], drift[2]) < delta < drift[[1, 3, 4]].min()
+    drift_from_old = torch.where(mask, old - new, 0.0).sum(1) / mask.sum(1)
+    assert drift_from_old[2] > delta  # from π_old response 2 would leave
     mb = {"response_mask": mask, "logprobs": old, "advantages": advantages, "ref_logprobs": old - 0.1,
           "sampler_logprobs": mu}
-    args = P.Args(off_policy_mask_threshold=delta, kl_in="loss", kl_estimator="k3", entropy_coef=0.1)
+    args = P.Args(off_policy_mask_threshold=delta, kl_in="loss", kl_estimator="k3",
+                  entropy_coef=0.1, loss_agg="token_mean", use_bias_correction_kl=False)
     entropy = torch.rand(5, 6, dtype=torch.float64)
     term, _, _, tokens = P.ppo_loss(new, entropy, None, mb, 0.2, args)
     out = (advantages[:, 0] < 0) & (drift > delta)
@@ -651,9 +687,8 @@ def test_the_off_policy_mask_drops_negative_responses_that_drifted_from_the_samp
     pg = P.policy_loss(new, old, advantages, mask, args)[0]
     kl = P.kl_estimate(new, mb["ref_logprobs"], "k3")
     expected = (pg[keep].sum() + 0.2 * kl[mask].sum() - 0.1 * entropy[mask].sum()) / mask.sum()
-    assert out.tolist() == [False, True, True, False, False] and torch.allclose(term, expected)
-    assert P.ratio_stats(tokens, mask)["policy/off_policy_masked_frac"] == pytest.approx(
-        (mask & out[:, None]).sum().item() / mask.sum().item())
+    assert out.tolist() == [False, True, False, False, False] and torch.allclose(term, expected)
+    assert P.ratio_stats(tokens, mask)["policy/off_policy_masked_frac"] == pytest.approx(1 / 5)
 
 
 def test_loss_aggregation_on_ragged_lengths():
@@ -707,6 +742,48 @@ def test_kl_in_the_loss_has_the_expected_gradient_of_each_estimator():
     assert not torch.allclose(forward_kl, reverse_kl)
 
 
+def test_the_weighted_kl_in_the_loss_has_the_gradient_of_kl_pi_theta_pi_ref_at_any_theta():
+    """--kl_in loss with --use_bias_correction_kl (TRL's): on a 6-action categorical, with θ away
+    from θ_old, the exact expectation over π_old's samples of ppo_loss's KL term,
+    E_{a~π_old}[ρ·k(a)] with ρ = π_θ/π_old, has the gradient ∇KL(π_θ‖π_ref) for k1, k2 (whose weight
+    is sg(ρ)) and k3. With sg(ρ) for k1 or k3 it does not (k1's is then 0 at every θ), nor with ρ
+    for k2, nor without the weight (--no-use-bias-correction-kl)."""
+    gen = torch.Generator().manual_seed(6)
+    randn = lambda: torch.randn(6, dtype=torch.float64, generator=gen)  # noqa: E731
+    theta, log_old, log_ref = randn(), randn().log_softmax(0), randn().log_softmax(0)
+
+    def gradient(f):
+        t = theta.clone().requires_grad_()
+        f(t.log_softmax(0)).backward()
+        return t.grad
+
+    def loss_term(estimator, correction=True):  # Σ_a π_old(a)·(ppo_loss's KL term on a alone)
+        args = P.Args(kl_in="loss", kl_estimator=estimator, use_bias_correction_kl=correction,
+                      loss_agg="token_mean")
+        zeros = torch.zeros(1, 6, dtype=torch.float64)
+
+        def on_action(log_pi, a):
+            mb = {"response_mask": torch.arange(6)[None] == a, "logprobs": log_old[None],
+                  "ref_logprobs": log_ref[None], "advantages": zeros}
+            return P.ppo_loss(log_pi[None], zeros, None, mb, 1.0, args)[0]
+        return lambda log_pi: sum(log_old[a].exp() * on_action(log_pi, a) for a in range(6))
+
+    def weighted(estimator, weight):  # Σ_a π_old(a)·weight·k(a), by hand
+        return lambda log_pi: (log_old.exp() * weight(log_pi)
+                               * P.kl_estimate(log_pi, log_ref, estimator)).sum()
+
+    rho = lambda log_pi: (log_pi - log_old).exp()  # noqa: E731
+    stopped = lambda log_pi: rho(log_pi).detach()  # noqa: E731
+    target = gradient(lambda log_pi: (log_pi.exp() * (log_pi - log_ref)).sum())  # ∇KL(π_θ‖π_ref)
+    for estimator in ("k1", "k2", "k3"):
+        assert torch.allclose(gradient(loss_term(estimator)), target, atol=1e-12), estimator
+    assert gradient(weighted("k1", stopped)).abs().max() < 1e-12  # sg(ρ)·k1: nothing
+    assert not torch.allclose(gradient(weighted("k3", stopped)), target, atol=1e-3)
+    assert not torch.allclose(gradient(weighted("k2", rho)), target, atol=1e-3)
+    assert not torch.allclose(gradient(loss_term("k3", correction=False)), target, atol=1e-3)
+    assert (theta.log_softmax(0) - log_old).abs().max() > 0.5  # θ is far from θ_old
+
+
 def test_adaptive_kl_coefficient():
     # Ziegler et al. 2019: the error is clipped to ±0.2, scaled by batch / horizon
     assert P.adaptive_kl_coef(0.1, 6.0, 5.0, 64, 1000) == pytest.approx(0.1 * (1 + 0.2 * 64 / 1000))
@@ -725,7 +802,8 @@ def test_ppo_loss_adds_the_kl_and_entropy_terms_with_their_gradients():
     logprobs = (mb["logprobs"] + 0.01 * torch.randn(3, 5, dtype=torch.float64, generator=gen)).requires_grad_()
     entropy = torch.rand(3, 5, dtype=torch.float64, generator=gen).requires_grad_()
     for loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        args = P.Args(kl_in="loss", kl_estimator="k3", entropy_coef=0.3, loss_agg=loss_agg, response_length=5)
+        args = P.Args(kl_in="loss", kl_estimator="k3", entropy_coef=0.3, loss_agg=loss_agg,
+                      response_length=5, use_bias_correction_kl=False)
         term, vf_loss, losses, _ = P.ppo_loss(logprobs, entropy, None, mb, 0.2, args)
         agg = lambda x: P.aggregate(x, mask, loss_agg, 5)  # noqa: E731
         pg = agg(P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], None, P.Args())[0])
@@ -739,7 +817,8 @@ def test_ppo_loss_adds_the_kl_and_entropy_terms_with_their_gradients():
         ratio = (logprobs.detach() - mb["logprobs"]).exp()
         d_pg = torch.where((ratio - 1).abs() < 0.2, -mb["advantages"] * ratio, 0.0)  # the clip is not active here
         assert torch.allclose(d_logprobs, weights * (d_pg + 0.2 * (1 - log_ratio.exp())))
-    off = P.ppo_loss(logprobs, entropy, None, mb, 0.2, P.Args())[0]  # KL in the reward, no entropy bonus
+    reward_kl = P.Args(loss_agg="token_mean")  # the KL in the reward, no entropy bonus
+    off = P.ppo_loss(logprobs, entropy, None, mb, 0.2, reward_kl)[0]
     pg = P.policy_loss(logprobs, mb["logprobs"], mb["advantages"], None, P.Args())[0]
     assert torch.allclose(off, P.aggregate(pg, mask, "token_mean", 5))
 
@@ -760,7 +839,8 @@ def test_the_decoupled_loss_against_a_per_token_formula():
     cap, eps, beta, c_h = 1.5, 0.2, 0.3, 0.05
     mb = {"response_mask": mask, "logprobs": prox, "ref_logprobs": ref, "advantages": advantages, "values": values,
           "returns": returns, "weights": P.rollout_weights(prox, mu, mask, "token_mask", cap)}
-    args = P.Args(kl_in="loss", kl_estimator="k3", entropy_coef=c_h, cliprange=eps, response_length=6)
+    args = P.Args(kl_in="loss", kl_estimator="k3", entropy_coef=c_h, cliprange=eps,
+                  response_length=6, loss_agg="token_mean")
     term, vf_loss, *_ = P.ppo_loss(new, entropy, values + 0.1, mb, beta, args)
     expected, n = 0.0, 0
     for i, t in zip(*torch.nonzero(mask, as_tuple=True)):
@@ -769,7 +849,8 @@ def test_the_decoupled_loss_against_a_per_token_formula():
         rho = torch.exp(new[i, t] - prox[i, t])
         a = advantages[i, t]
         pg = torch.max(-a * rho, -a * rho.clamp(1 - eps, 1 + eps))
-        kl = torch.exp(ref[i, t] - new[i, t]) - 1 - (ref[i, t] - new[i, t])
+        log_r = ref[i, t] - new[i, t]
+        kl = rho * (torch.exp(log_r) - 1 - log_r)  # ρ·k3, ρ around π_prox
         expected, n = expected + w * pg + beta * kl - c_h * entropy[i, t], n + 1
     assert torch.allclose(term, expected / n)
     assert torch.allclose(vf_loss, P.value_loss(values + 0.1, values, returns, mask, 0.2)[0])  # no weight
@@ -1590,16 +1671,44 @@ def test_the_samplers_log_probs_are_kept_beside_the_recompute_and_their_mismatch
     assert above.any() and (trained["weights"][above] == 1).all() and (trained["weights"][mask] < 1).any()
 
 
+def test_loss_agg_unset_is_per_response_for_gspo_and_sapo_and_length_weighting_is_warned(capsys):
+    """--loss_agg unset is resolved by check_args: seq_mean_token_mean (as veRL) for sequence-level
+    ratios and SAPO, whose one ratio or gate per response token_mean would weight by its length (8:1
+    for lengths 8 and 1), else token_mean; an explicit length-weighting choice under those is
+    honoured, with one warning line."""
+    value_free = dict(advantage_estimator="grpo", num_generations=2)
+    cases = [(dict(), None, "token_mean"), (dict(policy_loss="cispo"), None, "token_mean"),
+             (dict(importance_sampling_level="sequence", **value_free), None,
+              "seq_mean_token_mean"),
+             (dict(policy_loss="sapo"), None, "seq_mean_token_mean"),
+             (dict(policy_loss="sapo"), "token_mean", "token_mean"),
+             (dict(importance_sampling_level="sequence", **value_free), "seq_mean_token_sum_norm",
+              "seq_mean_token_sum_norm"),
+             (dict(), "seq_mean_token_sum_norm", "seq_mean_token_sum_norm")]
+    for flags, given, resolved in cases:
+        args = P.Args(loss_agg=given, **flags)
+        P.check_args(args)
+        assert args.loss_agg == resolved, (flags, given)
+        warned = capsys.readouterr().err
+        per_response = flags.get("policy_loss") == "sapo" or "importance_sampling_level" in flags
+        warning = (f"warning: --loss_agg {given} weights each response by its length; GSPO and SAPO"
+                   " average per response (seq_mean_token_mean)\n")
+        assert warned == (warning if given and per_response else "")
+
+
 def test_the_kl_estimator_defaults_to_k1_in_the_reward_and_k3_in_the_loss():
-    """k1 in the loss has an expected gradient −∇KL(π_old‖π_θ) on π_old's samples, no pull toward π_ref: refused;
-    unset, the estimator is k1 in the reward (TRL's PPO) and k3 in the loss (GRPO)."""
+    """k1 in the loss without the importance weight has an expected gradient −∇KL(π_old‖π_θ) on
+    π_old's samples, no pull toward π_ref: refused; ρ·k1 (--use_bias_correction_kl, the default) is
+    accepted; unset, the estimator is k1 in the reward (TRL's PPO) and k3 in the loss (GRPO)."""
     for kl_in, expected in (("reward", "k1"), ("loss", "k3")):
         args = P.Args(kl_in=kl_in)
         P.check_args(args)
         assert args.kl_estimator == expected
-    with pytest.raises(SystemExit, match=r"--kl_estimator k1 with --kl_in loss pulls nothing toward π_ref: give k3"):
-        P.check_args(P.Args(kl_in="loss", kl_estimator="k1"))
+    refused = r"--kl_estimator k1, --kl_in loss and --no-use-bias-correction-kl pull nothing toward"
+    with pytest.raises(SystemExit, match=refused):
+        P.check_args(P.Args(kl_in="loss", kl_estimator="k1", use_bias_correction_kl=False))
     P.check_args(P.Args(kl_in="reward", kl_estimator="k1"))
+    P.check_args(P.Args(kl_in="loss", kl_estimator="k1"))
 
 
 def test_a_chat_model_stops_at_its_end_of_turn_and_a_resume_keeps_the_stop_ids(tiny, tmp_path, capsys):
@@ -1850,6 +1959,37 @@ FAMILY = {  # estimator, k, where the KL goes, β, adaptive KL target
     "dr_grpo, GSPO": ("dr_grpo", 4, "loss", 0.1, None, dict(importance_sampling_level="sequence", cliprange=3e-4,
                                                             cliprange_high=4e-4)),
 }
+
+
+def test_equal_score_groups_are_groups_of_equal_scores_not_of_float_std_zero(tiny, tmp_path,
+                                                                              monkeypatch):
+    """--filter_zero_std_groups and objective/frac_reward_zero_std share one predicate, "all scores
+    equal": float32's std of eight 0.1 is 8e-9, not 0, when a rank holds one group. GRPO k = 8, one
+    group per update, a reward of 0.1 for every response: every group leaves the loss (no optimizer
+    step) and the share is 1. With --length_penalty the filter reads the shaped scores (0.1 −
+    λ·length), which differ where the lengths do, not the raw ones."""
+    assert torch.full((1, 8), 0.1).std(1).item() > 0 and torch.full((1, 16), 0.2).std(1).item() > 0
+    assert P.equal_score_groups(torch.full((8,), 0.1), 8).tolist() == [True]
+    assert P.equal_score_groups(torch.full((16,), 0.2), 16).tolist() == [True]
+    several = torch.tensor([0.1] * 8 + [0.2] * 8 + [0.1, 0.2] * 4 + [0.2] * 7 + [0.2000001])
+    assert P.equal_score_groups(several, 8).tolist() == [True, True, False, False]
+    calls = spy_on_updates(monkeypatch)
+    for name, penalty in (("equal", 0.0), ("shaped", 0.01)):
+        args = run_args(tiny, tmp_path / name, reward_model_path=None,
+                        reward_fn=[f"{__file__}:a_tenth"], num_generations=8,
+                        advantage_estimator="grpo", filter_zero_std_groups=True, stop_token_id=5,
+                        length_penalty=penalty, total_episodes=16)
+        P.main(args)
+        metrics, batches = read_metrics(args.output_dir), [c[0] for c in calls[-2:]]
+        for batch, m in zip(batches, metrics):
+            assert (batch["raw_scores"] == batch["raw_scores"][0]).all()  # raw: one equal group
+            lengths = batch["lengths"]
+            equal = bool((lengths == lengths[0]).all()) if penalty else True
+            assert m["objective/frac_reward_zero_std"] == float(equal)
+            assert batch["loss_mask"].any().item() == (not equal)
+            assert m["policy/epochs"] == (0.0 if equal else 2.0)
+        if penalty:
+            assert not all((b["lengths"] == b["lengths"][0]).all() for b in batches)  # one is kept
 
 
 @pytest.mark.parametrize("case", list(FAMILY))
@@ -2529,8 +2669,12 @@ def test_a_run_that_moves_too_far_gets_hints_at_most_once_per_window(tiny, tmp_p
     args = run_args(tiny, tmp_path / "no_stop", reward_model_path=None, reward_fn=[f"{__file__}:num_words"],
                     total_episodes=96, stop_token=None, learning_rate=0.1, health_window=3)
     P.main(args)
-    hints = capsys.readouterr().err
+    captured = capsys.readouterr()
+    hints = captured.err
     assert "--learning_rate" in hints and "--response_length" not in hints  # no stop token: every response is full
+    note = ("note: no stop id (--stop_token, --stop_token_id, the tokenizer, generation_config): "
+            "every response runs to --response_length 6\n")
+    assert captured.out.count(note) == 1  # said once, at the start
 
 
 @pytest.mark.parametrize("health_window", [1, 50])
@@ -2546,6 +2690,21 @@ def test_a_hint_is_printed_the_first_time_it_fires_whatever_the_window(tiny, tmp
     printed = [int(line.split()[2][:-1]) for line in lines if "--learning_rate" in line]
     assert fired and printed[0] == fired[0] and len(lines) == len(printed)
     assert printed == (fired if health_window == 1 else fired[:1])
+
+
+def test_gspo_at_its_papers_clip_gets_no_ratio_hint(tiny, tmp_path, capsys):
+    """The ratio hint's 50% suits token-level PPO's ε: GSPO at its paper's ε = 3e-4, ε_high = 4e-4
+    has most s_i outside the band in its normal regime, so the hint (which would say to lower the
+    learning rate) stays silent under --importance_sampling_level sequence, as under cispo and
+    sapo."""
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
+                    num_generations=2, advantage_estimator="grpo", cliprange=3e-4,
+                    cliprange_high=4e-4, importance_sampling_level="sequence", health_window=1,
+                    total_episodes=24)
+    P.main(args)
+    outside = [m["policy/ratio_outside_clip_avg"] for m in read_metrics(args.output_dir)]
+    assert max(outside) > 0.5, outside
+    assert "hint:" not in capsys.readouterr().err
 
 
 def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
@@ -3257,11 +3416,14 @@ P.leave_process_group()
 
 @needs_gloo
 def test_fsdp_in_bf16_gathers_bf16_and_its_first_kl_is_zero_and_offloading_changes_no_number(tiny, tmp_path):
-    """2 ranks, --dtype bf16 --shard_frozen_models, a Llama (RoPE), its reward model and one with its own tokenizer:
-    FSDP2 gathers the policy and the reference in bf16 (MixedPrecisionPolicy), so at update 1, where π_θ = π_ref,
-    every response's KL Σ_t (log π_old − log π_ref) is 0 within 1e-6 and the first ratio is 1; after an update it is
-    not 0. --offload_frozen_models puts every frozen model's FSDP2 units, and no trained one's, under CPUOffloadPolicy
-    (their shards in host memory: on CPU the same memory) and changes no number."""
+    """2 ranks, --dtype bf16 --shard_frozen_models, a Llama (RoPE), its reward model and one with
+    its own tokenizer: FSDP2 gathers the policy and the reference in bf16 (MixedPrecisionPolicy), so
+    at update 1, where π_θ = π_ref, every response's KL Σ_t (log π_old − log π_ref) is 0 within 1e-6
+    and the first ratio is 1; after an update it is not 0. log π_old is score()'s recompute (a full
+    forward, as π_ref's), not the sampler's μ (KV-cache decoding), whose gap to it depends on the
+    CPU's bf16 kernels. --offload_frozen_models puts every frozen model's FSDP2 units, and no
+    trained one's, under CPUOffloadPolicy (their shards in host memory: on CPU the same memory) and
+    changes no number."""
     def run(name, offload=False):
         code = f"""
 import json
@@ -3272,7 +3434,7 @@ def policies(model):
             if hasattr(u, "unshard") and u._get_fsdp_state()._fsdp_param_group}}
 def score(models, batch, *a):
     out = real(models, batch, *a)
-    kl = ((batch["logprobs"] - out["ref_logprobs"]) * batch["response_mask"]).sum(1)
+    kl = ((out["logprobs"] - out["ref_logprobs"]) * batch["response_mask"]).sum(1)
     kls.append(kl.abs().max().item())
     frozen = [models.ref_policy] + [m for m, _ in models.reward_models]
     offloaded.append([sorted(policies(m)) for m in [models.policy, models.value_model] + frozen])
@@ -3446,9 +3608,10 @@ def fixed_rollout(tiny, tmp_path, batch_size):
             "loss_mask", "truncated")}
 
 
-def one_update(tiny, batch, mode, gradient_accumulation_steps, **flags):
-    """One PPO update (2 epochs unless flags say otherwise, 1 minibatch: an optimizer step per epoch) on `batch`;
-    -> the full weights afterwards, and what ppo_epochs returned."""
+def one_update(tiny, batch, mode, gradient_accumulation_steps, steps=None, **flags):
+    """One PPO update (2 epochs unless flags say otherwise, 1 minibatch: an optimizer step per
+    epoch) on `batch`; -> the full weights afterwards, and what ppo_epochs returned (which took
+    `steps`, default one per epoch)."""
     policy, value_model = loaded(tiny, "gpt2"), loaded_value(tiny)
     if mode == "fsdp":
         P.shard(policy), P.shard(value_model)
@@ -3464,7 +3627,7 @@ def one_update(tiny, batch, mode, gradient_accumulation_steps, **flags):
     torch.manual_seed(0)
     trained = P.ppo_epochs(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batch, args,
                            P.check_args(args), rt)
-    assert trained.optimizer_steps == args.num_ppo_epochs  # a target_kl stop after the last step changes nothing
+    assert trained.optimizer_steps == (steps or args.num_ppo_epochs)  # a stop after the last: same
     weights = P.full_state_dict(model)  # rank 0's; {} on the others
     if mode == "fsdp":  # --save_dtype bf16 for the policy: its shards cast first, so the gather moves bf16
         half = P.full_state_dict(model, {"policy": torch.bfloat16})
@@ -3508,20 +3671,48 @@ def target_kl_worker(rank, port, tiny, batch_file):
     batch = torch.load(batch_file)
     half = {k: v[rank * 4 : rank * 4 + 4] if torch.is_tensor(v) else v for k, v in batch.items()}
     _, free = one_update(tiny, half, "ddp", 2, num_ppo_epochs=3)  # 3 steps of 2 micro-batches per rank
-    approxkl = torch.stack(free.stats["policy/approxkl_avg"]).view(3, 2).mean(1)  # this rank's, per step
-    mean = P.all_ranks_sum(approxkl) / 2
-    assert mean[1] > 1e-6  # after the first step π_θ moved
-    one_update(tiny, half, "ddp", 2, num_ppo_epochs=3, target_kl=1.5 * mean[1].item())  # asserts 3 steps
+    approxkl = torch.stack(free.stats["policy/approxkl_avg"])  # per step, over both ranks' tokens
+    assert torch.equal(P.all_ranks_sum(approxkl.clone()) / 2, approxkl)  # the same on both ranks
+    assert approxkl[1] > 1e-6  # after the first step π_θ moved
+    target = 1.5 * approxkl[1].item()
+    one_update(tiny, half, "ddp", 2, num_ppo_epochs=3, target_kl=target)  # asserts 3 steps
     P.leave_process_group()
 
 
 @needs_gloo
 def test_target_kl_on_two_ranks_compares_the_mean_of_their_approx_kl(tiny, tmp_path):
-    """--target_kl under torchrun: the early stop compares the ranks' mean approx KL with the target (their sum would
-    stop world_size times too early). 3 epochs of one step; a target 1.5x above the ranks' mean approx KL of the second
-    step (before which the first moved π_θ) lets the third step run."""
+    """--target_kl under torchrun: the early stop compares the approx KL over both ranks' tokens
+    with the target (one all-reduce; the ranks' sum would stop world_size times too early). 3 epochs
+    of one step; a target 1.5x above the approx KL of the second step (before which the first moved
+    π_θ) lets the third step run."""
     torch.save(fixed_rollout(tiny, tmp_path, 8), tmp_path / "batch.pt")
     spawn_2(target_kl_worker, tiny, str(tmp_path / "batch.pt"))
+
+
+def test_target_kl_reads_the_token_mean_not_a_mean_of_micro_batch_means(tiny, tmp_path,
+                                                                        monkeypatch):
+    """--target_kl with --gradient_accumulation_steps 2 and micro-batches of unequal token counts:
+    the early stop and policy/approxkl_avg read Σ approx KL over the minibatch's tokens / their
+    count. A target between that and the mean of the two micro-batch means stops the update as the
+    token mean says."""
+    batch, real = fixed_rollout(tiny, tmp_path, 8), P.ppo_loss
+    seen = []  # (Σ approx KL, tokens) of each micro-batch
+
+    def spy(new_logprobs, entropy, new_values, mb, kl_coef, args):
+        out = real(new_logprobs, entropy, new_values, mb, kl_coef, args)
+        mask = mb["response_mask"]
+        seen.append((torch.where(mask, out[3]["approxkl"], 0.0).sum().item(), mask.sum().item()))
+        return out
+    monkeypatch.setattr(P, "ppo_loss", spy)
+    _, free = one_update(tiny, batch, "none", 2, num_ppo_epochs=3)
+    (s1, n1), (s2, n2) = seen[2:4]  # the second step's micro-batches, after the first moved π_θ
+    token_mean, mean_of_means = (s1 + s2) / (n1 + n2), (s1 / n1 + s2 / n2) / 2
+    assert n1 != n2
+    assert free.stats["policy/approxkl_avg"][1].item() == pytest.approx(token_mean, rel=1e-5)
+    assert abs(token_mean - mean_of_means) > 1e-3 * token_mean > 0  # far apart next to float32
+    target = (token_mean + mean_of_means) / 2  # the two statistics on opposite sides
+    steps = 2 if token_mean > target else 3
+    one_update(tiny, batch, "none", 2, steps=steps, num_ppo_epochs=3, target_kl=target)
 
 
 def test_the_update_takes_the_beta_of_its_batch(tiny, tmp_path):
@@ -4067,3 +4258,193 @@ def test_truncated_completions_left_out_of_the_loss(tiny, tmp_path, monkeypatch)
     initial = P.PolicyAndValue(loaded(tiny, "gpt2"), loaded_value(tiny)).state_dict()
     assert trained.optimizer_steps == 0 and trained.stop_reason is None  # skipped, not a non-finite loss
     assert all(torch.equal(weights[k], initial[k]) for k in weights)
+
+
+# -------------------------------------------------------- behaviours a mutation run found unpinned
+# the sampler's μ against π_old (--dtype bf16/fp16)
+def mismatch_metrics(mu, old, mask):
+    """update_metrics on a hand-built batch of (B, R) log-probs, μ the sampler's and π_old the
+    recomputed ones: one reward function, no reference, no value model, no PPO statistics; rt
+    under bf16 autocast, so that the mismatch metrics are computed."""
+    B, R = mu.shape
+    zeros = torch.zeros(B, R)
+    batch = {"response_mask": mask, "kl": zeros, "scores": torch.zeros(B), "returns": zeros,
+             "reward_kl_coef": 0.0, "logprobs": old, "sampler_logprobs": mu,
+             "raw_scores": torch.zeros(B), "lengths": mask.sum(1),
+             "truncated": torch.zeros(B, dtype=torch.bool), "source_scores": torch.zeros(B, 1),
+             "attention_mask": torch.ones(B, R + 2, dtype=torch.bool), "kl_coef": 0.0}
+    trained = SimpleNamespace(stats={}, optimizer_steps=1, steps_per_epoch=1,
+                              train_tokens=int(mask.sum()))
+    models = SimpleNamespace(ref_policy=None, value_model=None, builtin_reward=False,
+                             reward_models=[], reward_fns=[object()])
+    args = SimpleNamespace(num_generations=1, gradient_accumulation_steps=1)
+    rt = P.Runtime(low_dtype=torch.bfloat16)
+    averaged, _ = P.update_metrics(batch, trained, models, args, rt)
+    return averaged
+
+
+def real_entries(x, mask):
+    return [v for v, m in zip(x.flatten().tolist(), mask.flatten().tolist()) if m]
+
+
+def test_mismatch_kl_is_the_kl_of_the_sampler_from_pi_old_by_k3():
+    """rollout/mismatch_kl is KL(μ‖π_old) over the tokens μ sampled: per real token k3 = w − 1 −
+    log w with w = π_old/μ, averaged over the real tokens (padding ignored). The other direction,
+    KL(π_old‖μ), per token 1/w − 1 + log w, differs wherever μ ≠ π_old."""
+    log_w = torch.tensor([[0.5, -0.7, 0.2, 9.0], [-1.2, 0.3, 5.0, -5.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    mu = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.3, -1.5, -2.0, -1.0]], dtype=torch.float64)
+    old = mu + log_w
+    real = real_entries(log_w, mask)
+    expected = sum(math.exp(x) - 1 - x for x in real) / len(real)
+    reverse = sum(math.exp(-x) - 1 + x for x in real) / len(real)
+    assert abs(expected - reverse) > 0.1  # the two directions are far apart here
+    got = mismatch_metrics(mu.float(), old.float(), mask)["rollout/mismatch_kl"]
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_mismatch_outside_frac_judges_w_itself_against_0_9_and_1_1():
+    """rollout/mismatch_outside_frac is the share of real tokens whose w = π_old/μ is outside
+    [0.9, 1.1] (|w − 1| > 0.1), judged on w, not on log w: log w = 0.098 (w = 1.103) is outside
+    and log w = −0.103 (w = 0.902) inside, although |log w| says the opposite of each."""
+    log_w = torch.tensor([[0.098, -0.103, 0.05, 0.2], [-0.2, 0.0, 0.098, 0.3]],
+                         dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    mu = torch.full((2, 4), -1.0, dtype=torch.float64)
+    old = mu + log_w
+    real = real_entries(log_w, mask)
+    outside = [abs(math.exp(x) - 1) > 0.1 for x in real]  # 0.098 twice, ±0.2
+    assert outside != [abs(x) > 0.1 for x in real]  # log space would count other tokens
+    got = mismatch_metrics(mu.float(), old.float(), mask)["rollout/mismatch_outside_frac"]
+    assert got == pytest.approx(sum(outside) / len(real)) and got == pytest.approx(4 / 7)
+
+
+# ----------------------------------------------------------- the reference's precision under bf16
+def test_a_reference_model_path_under_bf16_is_loaded_in_fp32_as_the_policy(tiny, tmp_path,
+                                                                            monkeypatch):
+    """--ref_model_path with --dtype bf16 in one process: the reference is loaded in the policy's
+    precision (fp32 weights under bf16 autocast), not in bf16, so that where π_θ = π_ref (here
+    the same checkpoint, in update 1's rollout) the KL is exactly 0, not a bf16 floor."""
+    loaded = []
+    real = P.load_models
+    monkeypatch.setattr(P, "load_models", lambda *a: loaded.append(real(*a)) or loaded[-1])
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
+                    dtype="bf16", ref_model_path=tiny["gpt2"], total_episodes=8)
+    P.main(args)
+    (models, _), = loaded
+    assert models.ref_policy is not None and models.ref_policy is not models.policy
+    assert {p.dtype for p in models.policy.parameters()} == {torch.float32}
+    assert {p.dtype for p in models.ref_policy.parameters()} == {torch.float32}
+    assert read_metrics(args.output_dir)[0]["objective/kl"] == 0.0
+
+
+# ------------------------------------------------------------------------------ the warmup's length
+def test_a_warmup_ratio_that_is_not_a_whole_number_of_updates_rounds_up_as_trl(tiny, tmp_path):
+    """--warmup_ratio 0.3 of 4 updates: TRL's ceil(0.3·4) = 2 warmup updates (not floor: 1).
+    Linear schedule: the learning rate of updates 1-4 is s/2 for step s = u − 1 < 2 (0, ½), then
+    (4 − s)/(4 − 2) (1, ½) of --learning_rate; a warmup of 1 would give 0, 1, ⅔, ⅓."""
+    warmup, steps = math.ceil(0.3 * 4), 4
+    expected = [s / warmup if s < warmup else (steps - s) / (steps - warmup) for s in range(steps)]
+    assert expected == [0.0, 0.5, 1.0, 0.5]
+    P.main(run_args(tiny, tmp_path, total_episodes=32, lr_scheduler_type="linear",
+                    warmup_ratio=0.3))
+    assert [m["lr"] / 1e-3 for m in read_metrics(tmp_path / "run")] == pytest.approx(expected)
+
+
+# -------------------------------------------------------------- a crashed run's samples set aside
+def test_resume_auto_on_a_crashed_run_sets_its_samples_aside_too(tiny, tmp_path, capsys):
+    """A run that crashed before any checkpoint (non-finite losses at update 3) leaves
+    metrics.jsonl and samples.jsonl; --resume auto keeps both under the same .stale-<time> suffix,
+    the crashed run's evaluations intact (not cut back to update 0 and lost), and the new
+    samples.jsonl holds only the new run's evaluations."""
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:huge_score"],
+                    total_episodes=24, eval_dataset=tiny["txt"], num_sample_generations=3)
+    with pytest.raises(SystemExit, match="non-finite"):  # at update 3, updates 1 and 2 logged
+        P.main(args)
+    samples = os.path.join(args.output_dir, "samples.jsonl")
+    crashed = open(samples).read()
+    assert {json.loads(line)["update"] for line in crashed.splitlines()} == {1, 2}
+    P.main(dataclasses.replace(args, reward_fn=[f"{__file__}:count_w1"], total_episodes=16,
+                               resume="auto"))
+    stale_metrics = glob.glob(os.path.join(args.output_dir, "metrics.jsonl.stale-*"))
+    stale = glob.glob(samples + ".stale-*")
+    assert len(stale) == 1 and open(stale[0]).read() == crashed
+    assert len(stale_metrics) == 1  # the same suffix: one crash, one time
+    assert stale_metrics[0].rsplit(".", 1)[1] == stale[0].rsplit(".", 1)[1]
+    new = read_lines(samples)
+    num_prompts = len([line for line in open(tiny["txt"]) if line.strip()])
+    assert [s["update"] for s in new] == [1] * num_prompts + [2] * num_prompts
+    assert all(s["score"] == s["completion"].split().count("w1") for s in new)  # count_w1's
+
+
+# ------------------------------------------------------------------------------------ a dead stderr
+def test_say_points_a_dead_file_it_was_given_at_dev_null_and_leaves_stdout_alone(monkeypatch):
+    """say(line, file=sys.stderr) whose reader is gone (EPIPE): that file's descriptor, not
+    stdout's, now points at /dev/null, so what is still buffered and every later write vanish
+    instead of raising; stdout stays where it was. Both are stand-ins (a pipe whose read end is
+    closed, a temp file), so that pytest's own streams are untouched."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader exits
+    dead = open(write_end, "w")
+    stdout = tempfile.TemporaryFile("w+")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(sys, "stderr", dead)
+    try:
+        P.say("x", file=sys.stderr)  # no exception: the write's EPIPE is caught
+        assert os.readlink(f"/proc/self/fd/{dead.fileno()}") == "/dev/null"
+        assert os.readlink(f"/proc/self/fd/{stdout.fileno()}") != "/dev/null"
+        P.say("y", file=sys.stderr)  # a write that succeeds now, into /dev/null
+        P.say("to stdout")
+        stdout.seek(0)
+        assert stdout.read() == "to stdout\n"
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):  # still the pipe if say() missed it: EPIPE again
+            dead.close()
+        stdout.close()
+
+
+# ------------------------------------------------------------------------ SIGHUP, and under nohup
+def hup_run(tiny, output_dir, disposition):
+    """The script (its __main__ block) on the tiny GPT-2 for 6 short updates, started with SIGHUP
+    at `disposition` (set, then exec, as a shell or nohup leaves it); stdout and stderr piped."""
+    wrapper = ("import os, signal, sys; signal.signal(signal.SIGHUP, getattr(signal, sys.argv[1]));"
+               " os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
+    cmd = [sys.executable, "-c", wrapper, disposition, SCRIPT, "--model_name_or_path", tiny["gpt2"],
+           "--reward_fn", f"{__file__}:count_w1", "--dataset", tiny["prompts"],
+           "--output_dir", output_dir, "--total_episodes", "24",
+           "--per_device_train_batch_size", "4", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
+           "--response_length", "4", "--num_sample_generations", "0"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("disposition", ["SIG_DFL", "SIG_IGN"], ids=["terminal", "nohup"])
+def test_sighup_stops_and_saves_unless_it_was_ignored_as_under_nohup(tiny, tmp_path,
+                                                                      disposition):
+    """Started with SIGHUP at its default (a terminal that may close), the script installs its stop
+    handler: a SIGHUP during the run finishes the update, saves a checkpoint, says how to go on and
+    exits 0. Started with SIGHUP ignored (nohup), it leaves it ignored: the same SIGHUP changes
+    nothing, and all 6 updates run. The disposition is set explicitly, whatever pytest's is."""
+    output_dir = str(tmp_path / "run")
+    process = hup_run(tiny, output_dir, disposition)
+    lines = []
+    for line in process.stdout:  # update 1 is logged: the run is under way
+        lines.append(line)
+        if line.startswith("update 1/6"):
+            break
+    process.send_signal(signal.SIGHUP)
+    out, err = process.communicate(timeout=300)
+    out = "".join(lines) + out
+    assert process.returncode == 0, err
+    updates = [m["update"] for m in read_metrics(output_dir)]
+    notice = "SIGHUP: finishing this update, then saving a checkpoint"
+    if disposition == "SIG_DFL":
+        assert 1 <= len(updates) < 6 and updates == list(range(1, len(updates) + 1))
+        checkpoint = os.path.join(output_dir, f"checkpoint-{len(updates):06d}")
+        assert P.list_checkpoints(output_dir) == [checkpoint]
+        assert notice in err and f"--output_dir {output_dir} --resume auto" in out
+        assert not os.path.exists(os.path.join(output_dir, "policy"))
+    else:
+        assert updates == [1, 2, 3, 4, 5, 6] and P.list_checkpoints(output_dir) == []
+        assert notice not in err and os.path.exists(os.path.join(output_dir, "policy"))
