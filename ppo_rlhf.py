@@ -280,9 +280,13 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator):
     """KL(π‖π_ref) per token sampled by π, ρ = π_ref/π (Schulman 2020): k1 = −log ρ, k3 = ρ − 1 −
     log ρ (unbiased); k2 = ½(log ρ)² (biased; as a loss its gradient is ∇KL)."""
     log_ratio = ref_logprobs - logprobs
+    if kl_estimator == "k1":
+        return -log_ratio
     if kl_estimator == "k2":
         return 0.5 * log_ratio**2
-    return -log_ratio if kl_estimator == "k1" else log_ratio.exp() - 1 - log_ratio
+    if kl_estimator == "k3":
+        return log_ratio.exp() - 1 - log_ratio
+    raise ValueError(f"kl_estimate: no branch for --kl_estimator {kl_estimator!r}")
 
 
 def adaptive_kl_coef(kl_coef, kl, target, batch_size, horizon):
@@ -316,21 +320,31 @@ def running_moments(moments, mean, var, n):
     return (total, running_mean + delta * n / total, m2), std
 
 
-UNGROUPED, GROUP_NORMALISED = ("gae", "reinforce_pp"), ("rloo", "grpo", "dr_grpo")  # the rest: whitened
+# What the rest of the file knows of each estimator (its branch: baselined_scores): grouped (a
+# baseline over the k responses to a prompt: k >= 2), whitened (A over the batch), learns V.
+ESTIMATORS = {"gae": dict(grouped=False, whitened=True, learns_value=True),
+              "rloo": dict(grouped=True, whitened=False, learns_value=False),
+              "grpo": dict(grouped=True, whitened=False, learns_value=False),
+              "dr_grpo": dict(grouped=True, whitened=False, learns_value=False),
+              "reinforce_pp": dict(grouped=False, whitened=True, learns_value=False),
+              "reinforce_pp_baseline": dict(grouped=True, whitened=True, learns_value=False)}
 
 
-def baselined_scores(scores, num_generations, advantage_estimator):
+def baselined_scores(scores, lengths, num_generations, advantage_estimator):
     """s_i (B,) minus its group's baseline (k consecutive rows): rloo s_i − mean of the others; grpo
-    (s_i − mean)/(std + 1e-4); dr_grpo, reinforce_pp_baseline s_i − mean; gae, reinforce_pp s_i."""
-    if advantage_estimator in UNGROUPED:
+    (s_i − mean)/(std + 1e-4); dr_grpo, reinforce_pp_baseline s_i − mean; gae, reinforce_pp s_i.
+    lengths (B,): the response lengths, for a baseline that weighs them."""
+    if advantage_estimator in ("gae", "reinforce_pp"):
         return scores
     groups = scores.view(-1, num_generations)  # (B/k, k)
     if advantage_estimator == "rloo":
         return (groups - (groups.sum(1, keepdim=True) - groups) / (num_generations - 1)).flatten()
     centered = groups - groups.mean(1, keepdim=True)
     if advantage_estimator == "grpo":
-        centered = centered / (groups.std(1, keepdim=True) + 1e-4)
-    return centered.flatten()
+        return (centered / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+    if advantage_estimator in ("dr_grpo", "reinforce_pp_baseline"):
+        return centered.flatten()
+    raise ValueError(f"baselined_scores: no branch for --advantage_estimator {advantage_estimator}")
 
 
 def equal_score_groups(scores, num_generations):
@@ -340,9 +354,9 @@ def equal_score_groups(scores, num_generations):
     return (groups == groups[:, :1]).all(1)
 
 
-def per_token_rewards(scores, kl, response_mask, kl_coef):
-    """r_t = −β·KL_t, plus the score on the last real token; 0 after it. (B,), (B, T) -> (B, T)."""
-    rewards = torch.where(response_mask, -kl_coef * kl, 0.0)
+def per_token_rewards(scores, penalties, response_mask):
+    """r_t = p_t (the KL penalty), plus the score on the last real token. (B,), (B, T) -> (B, T)."""
+    rewards = penalties.clone()
     last = response_mask.sum(-1) - 1
     rewards[torch.arange(len(scores), device=scores.device), last] += scores
     return rewards
@@ -367,24 +381,42 @@ def response_mean(x, mask):
     return torch.where(mask, x, 0.0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
+# What the rest of the file knows of each policy loss (its branch: policy_loss): --loss_agg when
+# unset, the ratio levels it takes, whether the ratio hint reads it (a clip band of PPO's ε).
+POLICY_LOSSES = {"clip": dict(loss_agg="token_mean", levels=("token", "sequence"), ratio_hint=True),
+                 "cispo": dict(loss_agg="token_mean", levels=("token",), ratio_hint=False),
+                 "sapo": dict(loss_agg="seq_mean_token_mean", levels=("token", "sequence"),
+                              ratio_hint=False)}
+
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, args):
-    """Per token, of ρ = π_θ/π_old (--policy_loss): clip max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), at most
-    c·|A| where A < 0 (dual clip); cispo −sg(min(ρ, c))·A·log π_θ (MiniMax-M1); sapo −σ(τ(ρ − 1))·(4/τ)·A
-    with τ = τ+ where A > 0, else τ− (SAPO, Qwen). sequence: ρ is GSPO's s_i = exp(mean_t log ρ_t) of
-    the response, its gradient on every token. -> it (B, T); per token: ρ, approx KL (ρ − 1) − log ρ,
-    clipped (cispo: capped), dual-clipped (None: off), outside [1 − ε, 1 + ε_high]."""
+    """Per token, of ρ = π_θ/π_old (--policy_loss): clip max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), at
+    most c·|A| where A < 0 (dual clip); cispo −sg(min(ρ, c))·A·log π_θ (MiniMax-M1); sapo
+    −σ(τ(ρ − 1))·(4/τ)·A with τ = τ+ where A > 0, else τ− (SAPO, Qwen). sequence: ρ is GSPO's
+    s_i = exp(mean_t log ρ_t) of the response (response_mean), its gradient on every token.
+    -> it (B, T); per token: ρ, approx KL (ρ − 1) − log ρ, clipped (cispo: capped), dual-clipped
+    (None: off), outside [1 − ε, 1 + ε_high]. args: importance_sampling_level, cliprange,
+    cliprange_high, policy_loss, cispo_max, sapo_temperature_pos, sapo_temperature_neg,
+    dual_clip."""
     log_ratio = logprobs - old_logprobs
-    if args.importance_sampling_level == "sequence":  # the value log s_i on every token, the gradient ∇log π_θ(y_t)
+    if args.importance_sampling_level == "sequence":  # the value log s_i, gradient ∇log π_θ(y_t)
         log_ratio = response_mean(log_ratio, mask).detach() + logprobs - logprobs.detach()
     ratio = log_ratio.exp()
     low, high = 1.0 - args.cliprange, 1.0 + (args.cliprange_high or args.cliprange)
-    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(low, high)
-    loss, is_clipped, dual_clipped = torch.max(unclipped, clipped), clipped > unclipped, None
-    if args.policy_loss == "cispo":  # every token keeps its gradient; only the weight is capped
-        loss, is_clipped = -ratio.clamp(max=args.cispo_max).detach() * advantages * logprobs, ratio > args.cispo_max
-    if args.policy_loss == "sapo":  # a soft gate in place of the clip, of slope 1 at ρ = 1
-        tau = torch.where(advantages > 0, *ratio.new_tensor([args.sapo_temperature_pos, args.sapo_temperature_neg]))
-        loss, is_clipped = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, torch.zeros_like(is_clipped)
+    if args.policy_loss == "clip":
+        unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(low, high)
+        loss, is_clipped = torch.max(unclipped, clipped), clipped > unclipped
+    elif args.policy_loss == "cispo":  # every token keeps its gradient; only the weight is capped
+        loss = -ratio.clamp(max=args.cispo_max).detach() * advantages * logprobs
+        is_clipped = ratio > args.cispo_max
+    elif args.policy_loss == "sapo":  # a soft gate in place of the clip, of slope 1 at ρ = 1
+        taus = ratio.new_tensor([args.sapo_temperature_pos, args.sapo_temperature_neg])
+        tau = torch.where(advantages > 0, *taus)
+        loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+        is_clipped = torch.zeros_like(loss, dtype=torch.bool)
+    else:
+        raise ValueError(f"policy_loss: no branch for --policy_loss {args.policy_loss!r}")
+    dual_clipped = None
     if args.dual_clip is not None:
         dual_clipped = (advantages < 0) & (loss > -args.dual_clip * advantages)
         loss = torch.where(dual_clipped, -args.dual_clip * advantages, loss)
@@ -392,8 +424,27 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, args):
                       dual_clipped=dual_clipped, outside=(ratio < low) | (ratio > high))
 
 
+def rollout_weights(logprobs, sampler_logprobs, mask, mode, cap):
+    """A weight on each token's policy loss for the sampler's mismatch (TRL's vLLM importance
+    sampling): w = π/μ per token (token_*) or exp(Σ_t log w_t) per response (sequence_*), then
+    min(w, C) (truncate) or 0 where w > C (mask). (B, T) -> (B, T)."""
+    log_w = torch.where(mask, logprobs - sampler_logprobs, 0.0)
+    level, _, action = mode.partition("_")
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+    elif level != "token":
+        raise ValueError(f"rollout_weights: no branch for --rollout_correction {mode!r}")
+    w = log_w.exp()
+    if action == "truncate":
+        return w.clamp(max=cap)
+    if action == "mask":
+        return torch.where(w <= cap, w, 0.0)
+    raise ValueError(f"rollout_weights: no branch for --rollout_correction {mode!r}")
+
+
 def value_loss(values, old_values, returns, mask, cliprange_value):
-    """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the share of clipped tokens."""
+    """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the share of clipped tokens
+    (masked_mean)."""
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), mask)
@@ -401,9 +452,9 @@ def value_loss(values, old_values, returns, mask, cliprange_value):
 
 
 def aggregate(x, mask, loss_agg, response_length):
-    """A minibatch's loss from per-token x (B, T): token_mean Σx/Σm; seq_mean_token_mean mean over
-    responses of Σ_t x/length; seq_mean_token_sum_norm Σx/(B·response_length) (Dr. GRPO); B counts
-    responses with a token in the loss (0 if none)."""
+    """A minibatch's loss from per-token x (B, T): token_mean Σx/Σm (masked_mean);
+    seq_mean_token_mean mean over responses of Σ_t x/length (response_mean); seq_mean_token_sum_norm
+    Σx/(B·response_length) (Dr. GRPO); B counts responses with a token in the loss (0 if none)."""
     if loss_agg == "token_mean":
         return masked_mean(x, mask)
     responses = mask.any(-1).sum().clamp(min=1)
@@ -542,7 +593,8 @@ def response_chunks(batch, chunk):
 
 def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
     """Phase 2: no-grad forwards of the frozen models -> ref_logprobs, values (B, R), completions,
-    source_scores (B, S; NaN: None), raw_scores Σ w·s (B,). scores_only: reward sources only."""
+    source_scores (B, S; NaN: None), raw_scores Σ w·s (B,); logprobs: log π_old as training computes
+    it (bf16/fp16: recomputed; fp32: μ), sampler_logprobs μ. scores_only: reward sources only."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
     sampler_logprobs = batch["logprobs"]  # μ (B, R), also log π_old unless bf16/fp16 recompute it below
     logprobs = sampler_logprobs.clone() if rt.low_dtype else sampler_logprobs
@@ -576,15 +628,29 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
 
 
 # ----------------------------------------------------------------------------------- the PPO update
-def advantages_and_returns(rewards, values, mask, loss_mask, args):
-    """Phase 4: A_t, R_t = A_t + V_t by GAE over the response (value-free: V = 0, λ = 1, the reward-
-    to-go), whitened with the global batch's statistics of the tokens in the loss, except group
-    baselines. (B, R) -> (B, R), (B, R)."""
-    lam = args.lam if args.advantage_estimator == "gae" else 1.0  # GAE's V; the others are value-free
+def advantages_and_returns(scores, kl, kl_coef, values, mask, loss_mask, args):
+    """Phase 4, where every advantage-level term lives (replay_batch calls it on stored rows): the
+    KL penalty p_t = −β·KL_t where --kl_in puts it; r_t = p_t, plus the score minus its group's
+    baseline on the last real token; A_t, R_t = A_t + V_t by GAE (value-free: V = 0, λ = 1, the
+    reward-to-go), whitened with the global statistics of the tokens in the loss where the estimator
+    is. (B,), (B, R) -> p, r, A, R (B, R); β a float or (B, 1)."""
+    if args.kl_in == "reward":
+        penalties = torch.where(mask, -kl_coef * kl, 0.0)
+    elif args.kl_in == "loss":  # ppo_loss's term, with a gradient through π_θ
+        penalties = torch.zeros_like(kl)
+    else:
+        raise ValueError(f"advantages_and_returns: no branch for --kl_in {args.kl_in!r}")
+    lengths = mask.sum(-1)
+    baselined = baselined_scores(scores, lengths, args.num_generations, args.advantage_estimator)
+    rewards = per_token_rewards(baselined, penalties, mask)  # (B, R)
+    if args.whiten_rewards:  # over all ranks, mean kept
+        rewards = masked_whiten(rewards, mask, *global_mean_var(rewards, mask), shift_mean=False)
+    estimator = ESTIMATORS[args.advantage_estimator]
+    lam = args.lam if estimator["learns_value"] else 1.0  # value-free: the reward-to-go
     advantages, returns = gae(rewards, values, mask, args.gamma, lam)
-    if args.advantage_estimator not in GROUP_NORMALISED:
+    if estimator["whitened"]:
         advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, loss_mask))
-    return advantages, returns
+    return penalties, rewards, advantages, returns
 
 
 def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
@@ -616,7 +682,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                 policy_share = token_share if args.loss_agg == "token_mean" else response_share
                 with gradient_sync(model, i == len(micro_batches) - 1):  # after its last
                     with rt.autocast():
-                        width = context_length + L
+                        width = context_length + L  # log π_θ(y_t|s_t), its entropy, V(s_t) (B, R)
                         new_logprobs, entropy, new_values = model(batch["query_responses"][rows, :width],
                                                                   batch["attention_mask"][rows, :width],
                                                                   context_length, args.temperature)
@@ -658,7 +724,7 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     mask = mb["response_mask"]
     agg = lambda x: aggregate(x, mask, args.loss_agg, args.response_length)  # noqa: E731
     pg_tokens, tokens = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], mask, args)
-    weights = mb.get("weights", 1.0)  # replay_batch's: --rollout_correction, decoupled replay
+    weights = mb.get("weights", 1.0)  # phase 2's --rollout_correction, or decoupled replay's
     if args.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: a response whose return is < 0
         drift = response_mean(mb["sampler_logprobs"] - new_logprobs.detach(), mask)  # (b, 1)
         negative = mb["advantages"][:, :1] < 0  # A at its first token: the whole response's
@@ -731,30 +797,30 @@ def main(args: Args):
             progress["score_moments"], std = running_moments(progress["score_moments"], mean.item(), var.item(),
                                                              sizes.batch_size)
         scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # as the flags say
+        if args.rollout_correction != "none":  # w = π_old/μ: the sampler's mismatch (bf16/fp16)
+            batch["weights"] = rollout_weights(batch["logprobs"], batch["sampler_logprobs"], mask,
+                                               args.rollout_correction, args.rollout_correction_cap)
         log.lap("score")
 
-        # 3. KL and rewards: r_t = −β·KL_t on every token (unless the KL is a loss term), plus the
-        # score (minus its group's baseline, for the value-free estimators) on the last real one
+        # 3. KL: KL_t of every response token, an estimate of KL(π_old‖π_ref) from its samples
         kl = torch.where(mask, kl_estimate(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator), 0.0)
-        reward_kl_coef = kl_coef if args.kl_in == "reward" else 0.0
-        baselined = baselined_scores(scores, args.num_generations, args.advantage_estimator)
-        rewards = per_token_rewards(baselined, kl, mask, reward_kl_coef)  # (B, R)
-        if args.whiten_rewards:  # over all ranks, mean kept
-            rewards = masked_whiten(rewards, mask, *global_mean_var(rewards, mask), shift_mean=False)
 
-        # 4. advantages: GAE, whitened over the tokens in the loss of the global batch (value-free:
-        # the reward-to-go)
+        # 4. rewards and advantages: r_t = −β·KL_t (unless the KL is a loss term), plus the score
+        # (minus its group's baseline, value-free) on the last real token; GAE, whitened over the
+        # tokens in the loss (value-free: the reward-to-go)
         loss_mask = mask & ~batch["truncated"][:, None] if args.mask_truncated_completions else mask
         if args.filter_zero_std_groups:  # a group of equal scores has A = 0, yet it dilutes the mean
             equal = equal_score_groups(scores, args.num_generations)
             loss_mask = loss_mask & ~equal.repeat_interleave(args.num_generations)[:, None]
-        advantages, returns = advantages_and_returns(rewards, batch["values"], mask, loss_mask,
-                                                     args)
-        batch.update(scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns,
-                     kl_coef=kl_coef, reward_kl_coef=reward_kl_coef, loss_mask=loss_mask)
+        penalties, rewards, advantages, returns = advantages_and_returns(
+            scores, kl, kl_coef, batch["values"], mask, loss_mask, args)
+        batch.update(scores=scores, kl=kl, penalties=penalties, rewards=rewards,
+                     advantages=advantages, returns=returns, kl_coef=kl_coef, loss_mask=loss_mask)
 
         # 5. PPO epochs: num_ppo_epochs passes over the batch, one optimizer step per minibatch
-        train_batch = replay_batch(progress, batch, update, models, args, rt)  # + older (replay)
+        train_batch = batch  # with --replay_rounds N also the last N batches, off-policy
+        if args.replay_rounds:
+            train_batch = replay_batch(progress, batch, update, models, args, rt)
         model.train()
         trained = ppo_epochs(model, optimizer, scaler, train_batch, args, sizes, rt)
         lr = lr_scheduler.get_last_lr()[0]
@@ -835,13 +901,16 @@ FLAG_CONFLICTS = {
         lambda a: a.adaptive_kl_target is not None and a.kl_coef == 0,
     "--dual_clip bounds the clipped surrogate: it needs --policy_loss clip":
         lambda a: a.dual_clip is not None and a.policy_loss != "clip",
-    "--importance_sampling_level sequence needs a value-free --advantage_estimator (gae's A is per token), "
-    "--policy_loss clip or sapo, no --dual_clip": lambda a: a.importance_sampling_level == "sequence" and (
-        a.advantage_estimator == "gae" or a.policy_loss == "cispo" or a.dual_clip is not None),
+    "--importance_sampling_level sequence needs a value-free --advantage_estimator (A per token), "
+    "no --dual_clip": lambda a: a.importance_sampling_level == "sequence" and (
+        ESTIMATORS[a.advantage_estimator]["learns_value"] or a.dual_clip is not None),
+    "--importance_sampling_level: --policy_loss does not take it (POLICY_LOSSES' levels)":
+        lambda a: a.importance_sampling_level not in POLICY_LOSSES[a.policy_loss]["levels"],
     "--off_policy_mask_threshold needs a value-free --advantage_estimator (it judges whole responses)":
-        lambda a: a.off_policy_mask_threshold is not None and a.advantage_estimator == "gae",
-    "--filter_zero_std_groups needs a group --advantage_estimator: rloo, grpo, dr_grpo or reinforce_pp_baseline":
-        lambda a: a.filter_zero_std_groups and a.advantage_estimator in UNGROUPED,
+        lambda a: a.off_policy_mask_threshold is not None
+        and ESTIMATORS[a.advantage_estimator]["learns_value"],
+    "--filter_zero_std_groups needs a group --advantage_estimator (ESTIMATORS' grouped)":
+        lambda a: a.filter_zero_std_groups and not ESTIMATORS[a.advantage_estimator]["grouped"],
     "--rollout_correction needs --dtype bf16 or fp16: in fp32 the sampler's μ is π_old itself (w = 1)":
         lambda a: a.rollout_correction != "none" and a.dtype == "fp32",
     "--rollout_correction with --replay_rounds: replay's μ is the sampler's, --replay_correction decoupled "
@@ -866,13 +935,17 @@ def check_args(args):
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
     args.kl_estimator = args.kl_estimator or ("k3" if args.kl_in == "loss" else "k1")  # as TRL's PPO, GRPO
-    per_response = args.importance_sampling_level == "sequence" or args.policy_loss == "sapo"
+    for flag, table in (("advantage_estimator", ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
+        if getattr(args, flag) not in table:  # a fork's new value without its facts
+            fail(f"--{flag} {getattr(args, flag)}: no row of facts beside its branch")
+    per_response = "seq_mean_token_mean"  # as veRL: one ratio (or gate) per response counts once
+    loss_agg = POLICY_LOSSES[args.policy_loss]["loss_agg"]
+    loss_agg = per_response if args.importance_sampling_level == "sequence" else loss_agg
     rank0 = int(os.environ.get("RANK", 0)) == 0
-    if per_response and args.loss_agg not in (None, "seq_mean_token_mean") and rank0:  # as TRL
+    if args.loss_agg not in (None, loss_agg) and loss_agg == per_response and rank0:  # as TRL
         say(f"warning: --loss_agg {args.loss_agg} weights each response by its length; GSPO and "
             "SAPO average per response (seq_mean_token_mean)", file=sys.stderr)
-    if args.loss_agg is None:  # as veRL: a response's one ratio (or gate) counts once
-        args.loss_agg = "seq_mean_token_mean" if per_response else "token_mean"
+    args.loss_agg = args.loss_agg or loss_agg
     for allowed, (ok, flags) in FLAG_RANGES.items():
         for flag in flags:  # NaN fails every comparison; inf is refused too
             value = getattr(args, flag)
@@ -897,10 +970,11 @@ def check_args(args):
     if sizes.local_mini_batch_size % args.gradient_accumulation_steps:
         fail(f"minibatch {sizes.local_mini_batch_size} is not divisible by "
              f"--gradient_accumulation_steps {args.gradient_accumulation_steps}")
-    if args.advantage_estimator not in UNGROUPED and args.num_generations == 1:  # a group of one
+    estimator = ESTIMATORS[args.advantage_estimator]
+    if estimator["grouped"] and args.num_generations == 1:  # a group of one
         fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one "
              "prompt: give --num_generations >= 2")
-    if args.value_model_path and args.advantage_estimator != "gae":
+    if args.value_model_path and not estimator["learns_value"]:
         fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has "
              "no value model")
     for message, refused in FLAG_CONFLICTS.items():
@@ -1136,23 +1210,18 @@ def exact_kl(models, batch, args, rt):
 
 
 # ------------------------------------------------------ replay: off-policy updates (--replay_rounds)
-# What a batch keeps, fixed when it was sampled: μ = its log π_old (logprobs), log π_ref, the rewards
-# (score and −β·KL, β of then), the advantages (value-free estimators). Per rank N·B·(9·P + 27·R)
-# bytes for N batches of B rows of P + R tokens (ids int64, masks bool, 4 float32 rows): no logits.
+# What a batch keeps, fixed when it was sampled: μ = its log π_old (logprobs), log π_ref, its
+# scores and KL_t, its β. Per rank N·B·(9·P + 23·R) bytes for N batches of B rows of P + R tokens
+# (ids int64, masks bool, 3 float32 rows): no logits.
 REPLAY_KEYS = ("query_responses", "attention_mask", "response_mask", "loss_mask", "lengths", "logprobs",
-               "ref_logprobs", "rewards", "advantages")
+               "ref_logprobs", "scores", "kl")
 
 
 def replay_batch(progress, batch, update, models, args, rt):
-    """This update's rows: the fresh batch and the last N (π_prox, V, GAE of now), one width,
-    and their weights on L_clip: --rollout_correction's, or decoupled replay's (the same formula)."""
-    if args.rollout_correction != "none":  # the sampler's μ is not quite π_old (bf16/fp16 recompute)
-        batch["weights"] = rollout_weights(batch["logprobs"], batch["sampler_logprobs"], batch["response_mask"],
-                                           args.rollout_correction, args.rollout_correction_cap)
-    if not args.replay_rounds:
-        return batch
+    """This update's rows: the fresh batch and the last N (π_prox, V, phase 4 of now), one width;
+    with decoupled replay their weights on L_clip (rollout_weights)."""
     fresh = dict({k: batch[k] for k in (*REPLAY_KEYS, "context_length")}, update=update,
-                 logprobs=batch["sampler_logprobs"])  # μ: the sampler's
+                 kl_coef=batch["kl_coef"], logprobs=batch["sampler_logprobs"])  # μ: the sampler's
     old = progress["replay"]
     progress["replay"] = [*old, fresh][-args.replay_rounds:]
     parts = [dict(fresh, prox=batch["logprobs"], values=batch["values"])]  # π_prox = π_old
@@ -1166,15 +1235,15 @@ def replay_batch(progress, batch, update, models, args, rt):
         left = P - b["context_length"] if k in ("query_responses", "attention_mask") else 0
         value = models.pad_token_id if k == "query_responses" else 0
         right = R - b["response_mask"].shape[1]
-        return F.pad(b[k], (left, right), value=value) if k != "lengths" else b[k]  # lengths (B,)
+        return F.pad(b[k], (left, right), value=value) if b[k].dim() == 2 else b[k]  # (B,) as it is
     train = {k: torch.cat([padded(b, k) for b in parts]) for k in (*REPLAY_KEYS, "prox", "values")}
     age = torch.cat([torch.full_like(b["lengths"], update - b["update"]) for b in parts])  # (ΣB,)
+    betas = torch.cat([torch.full_like(b["scores"], b["kl_coef"]) for b in parts])  # each batch's β
     train.update(context_length=P, kl_coef=batch["kl_coef"], age=age)
     mask, age, prox, mu = train["response_mask"], age[:, None], train["prox"], train["logprobs"]
-    advantages, train["returns"] = advantages_and_returns(train["rewards"], train["values"], mask,
-                                                          train["loss_mask"], args)
-    if args.advantage_estimator == "gae":  # with today's V; value-free rows keep their batch's advantages
-        train["advantages"] = advantages
+    _, _, train["advantages"], train["returns"] = advantages_and_returns(
+        train["scores"], train["kl"], betas[:, None], train["values"], mask, train["loss_mask"],
+        args)
     # how stale the rows are (k3: KL(μ‖π_prox); π_prox/μ before the cap, the share above it), each
     # Σ x·m / Σ m over all ranks (0 / 0: NaN)
     k3, weight, replayed = kl_estimate(mu, prox, "k3"), (prox - mu).exp(), mask & (age > 0)
@@ -1193,15 +1262,6 @@ def replay_batch(progress, batch, update, models, args, rt):
         train["weights"] = rollout_weights(prox, mu, mask, "token_mask", cap)  # 0 above c as AReaL
         train["logprobs"] = prox  # the ratio's denominator
     return train
-
-
-def rollout_weights(logprobs, sampler_logprobs, mask, mode, cap):
-    """A weight on each token's policy loss for the sampler's mismatch (TRL's vLLM importance
-    sampling): w = π/μ per token (token_*) or exp(Σ_t log w_t) per response (sequence_*), then
-    min(w, C) (truncate) or 0 where w > C (mask). (B, T) -> (B, T)."""
-    log_w = torch.where(mask, logprobs - sampler_logprobs, 0.0)
-    w = (log_w.sum(-1, keepdim=True) if mode.startswith("sequence") else log_w).exp().expand_as(log_w)
-    return w.clamp(max=cap) if mode.endswith("truncate") else torch.where(w <= cap, w, 0.0)
 
 
 def prox_and_values(models, b, args, rt):
@@ -1333,7 +1393,7 @@ def load_models(args, model_path, inputs, rt):
 
 def load_value_model(args, model_path, inputs, dtype, rt):
     """The value model (fp32), where it came from, its path; none without GAE."""
-    if args.advantage_estimator != "gae":
+    if not ESTIMATORS[args.advantage_estimator]["learns_value"]:
         return None, f"no value model (--advantage_estimator {args.advantage_estimator})", None
     shared = inputs.reward_tokenizers[:1] == [None]  # reward model 1 reads the policy's ids
     value_path = args.value_model_path or (args.reward_model_path[0] if shared else model_path)
@@ -2269,10 +2329,9 @@ def update_metrics(batch, trained, models, args, rt):
     mask, kl, scores, returns = batch["response_mask"], batch["kl"], batch["scores"], batch["returns"]
     stats = dict(trained.stats)
     replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
-    beta = batch["reward_kl_coef"]  # β of the KL in the reward (0 with --kl_in loss)
     averaged = {"objective/entropy": (-batch["logprobs"]).sum(1).mean(),
-                "objective/non_score_reward": (-beta * kl).sum(1).mean(),
-                "objective/rlhf_reward": (scores - beta * kl.sum(1)).mean(),
+                "objective/non_score_reward": batch["penalties"].sum(1).mean(),  # as applied
+                "objective/rlhf_reward": (scores - batch["kl_coef"] * kl.sum(1)).mean(),  # its aim
                 "objective/scores": scores.mean(),
                 "objective/raw_scores": batch["raw_scores"].mean(),
                 "val/mean_response_length": batch["lengths"].float().mean(),
@@ -2330,8 +2389,8 @@ def health_hints(window, args, has_stop_token):
     """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}."""
     hints, last, n = {}, window[-1], len(window)
     outside = last.get("replay/outside_clip_fresh", last.get("policy/ratio_outside_clip_avg", 0.0))
-    token_clip = args.policy_loss == "clip" and args.importance_sampling_level == "token"
-    if outside > 0.5 and token_clip:  # its 50% suits PPO's ε; fresh tokens under replay
+    token_clip = args.importance_sampling_level == "token"  # its 50% suits PPO's ε
+    if outside > 0.5 and token_clip and POLICY_LOSSES[args.policy_loss]["ratio_hint"]:
         hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε_high] in this "
                           "update: the policy moves too far per update; lower --learning_rate or --num_ppo_epochs (or "
                           "set --target_kl)")

@@ -4,6 +4,8 @@ nothing downloaded. Run: pytest -q test_ppo_rlhf.py"""
 import contextlib
 import dataclasses
 import glob
+import inspect
+import itertools
 import json
 import math
 import os
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 import warnings
 from collections import defaultdict
 from types import SimpleNamespace
@@ -453,7 +456,8 @@ def test_kl_estimators():
 def test_per_token_rewards_put_the_score_on_the_last_real_token():
     kl = torch.arange(1.0, 13.0).view(3, 4)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
-    rewards = P.per_token_rewards(torch.tensor([10.0, 20.0, 30.0]), kl, mask, kl_coef=0.5)
+    penalties = torch.where(mask, -0.5 * kl, 0.0)  # −β·KL_t, β = 0.5
+    rewards = P.per_token_rewards(torch.tensor([10.0, 20.0, 30.0]), penalties, mask)
     expected = torch.tensor([[-0.5, -1.0 + 10, 0, 0], [-2.5, -3.0, -3.5, -4.0 + 20], [-4.5 + 30, 0, 0, 0]])
     assert torch.allclose(rewards, expected)
 
@@ -503,25 +507,37 @@ def test_gae_closed_forms():
 
 
 def test_advantages_are_whitened_with_the_statistics_of_the_tokens_in_the_loss():
-    """Phase 4: GAE runs over every response token (the returns are GAE's), and the whitening takes
-    its mean and variance over the tokens in the loss (loss_mask: here a cut-off response and part
-    of another are out), so that the tokens that train have mean 0 and variance 1; group baselines
-    are not whitened."""
+    """Phase 4 (advantages_and_returns): p_t = −β·KL_t (the KL in the reward), r_t = p_t + the score
+    on the last token; GAE runs over every response token (the returns are GAE's), and the
+    whitening takes its mean and variance over the tokens in the loss (loss_mask: here a cut-off
+    response is out), so that the tokens that train have mean 0 and variance 1; group baselines are
+    not whitened; with the KL in the loss, p = 0."""
     gen = torch.Generator().manual_seed(8)
     mask = torch.arange(6) < torch.tensor([6, 2, 4, 5])[:, None]
     loss_mask = mask & torch.tensor([True, False, True, True])[:, None]  # response 1 was cut off
-    rewards, values = (torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(2))
-    rewards[1] += 10.0  # far from the rest: whitening over `mask` would move every advantage
-    raw, returns = P.gae(rewards, values, mask, 1.0, 0.95)
-    advantages, got_returns = P.advantages_and_returns(rewards, values, mask, loss_mask, P.Args())
+    kl, values = (torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(2))
+    scores = torch.tensor([0.5, 9.0, -1.0, 2.0], dtype=torch.float64)  # 9: far from the rest
+    phase_4 = P.advantages_and_returns(scores, kl, 0.2, values, mask, loss_mask, P.Args())
+    penalties, rewards, advantages, returns = phase_4
+    assert torch.equal(penalties, torch.where(mask, -0.2 * kl, 0.0))
+    assert torch.equal(rewards, P.per_token_rewards(scores, penalties, mask))
+    raw, expected_returns = P.gae(rewards, values, mask, 1.0, 0.95)
     trained = raw[loss_mask]
     expected = (raw - trained.mean()) / (trained.var() + 1e-8).sqrt()
-    assert torch.equal(got_returns, returns) and torch.allclose(advantages[mask], expected[mask])
+    assert torch.equal(returns, expected_returns)
+    assert torch.allclose(advantages[mask], expected[mask])
     assert advantages[loss_mask].mean().abs() < 1e-12
     assert advantages[loss_mask].var() == pytest.approx(1, abs=1e-6)
-    grpo = P.Args(advantage_estimator="grpo")
-    group = P.advantages_and_returns(rewards, values, mask, loss_mask, grpo)[0]
-    assert torch.equal(group, P.gae(rewards, values, mask, 1.0, 1.0)[0])
+    over_mask = P.masked_whiten(raw, mask, *P.global_mean_var(raw, mask))
+    assert not torch.allclose(advantages[mask], over_mask[mask])
+    grpo = P.Args(advantage_estimator="grpo", num_generations=2, kl_in="loss")
+    no_value = torch.zeros_like(values)  # value-free: score() leaves V at 0
+    phase_4 = P.advantages_and_returns(scores, kl, 0.2, no_value, mask, loss_mask, grpo)
+    penalties, rewards, group, _ = phase_4
+    baselined = P.baselined_scores(scores, mask.sum(1), 2, "grpo")
+    assert not penalties.any()
+    assert torch.equal(rewards, P.per_token_rewards(baselined, penalties, mask))
+    assert torch.equal(group, P.gae(rewards, no_value, mask, 1.0, 1.0)[0])
 
 
 def test_policy_loss_at_ratio_one():
@@ -704,18 +720,131 @@ def test_loss_aggregation_on_ragged_lengths():
                                                                               "seq_mean_token_sum_norm"))
 
 
+SWITCHES = ("advantage_estimator", "policy_loss", "kl_in", "kl_estimator", "loss_agg",
+            "rollout_correction")
+
+
+def switch_values(flag):
+    """The values of an Args switch's Literal (an Optional one's, None aside)."""
+    kinds = typing.get_args(P.Args.__dataclass_fields__[flag].type)
+    literal = next((k for k in kinds if typing.get_args(k)), None)
+    return typing.get_args(literal) if literal is not None else kinds
+
+
+def switch_outputs(flag, gen):
+    """{value: what the switch's branch makes of one fixed random input}, for every value."""
+    mask = torch.arange(6) < torch.tensor([6, 2, 4, 5])[:, None]
+    randn = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=gen)  # noqa: E731
+    old, ref, values, x = (randn(4, 6) for _ in range(4))
+    new, kl, scores = old + 0.5 * randn(4, 6), randn(4, 6).abs(), randn(4)
+    advantages = randn(4, 1).expand(4, 6)
+    outputs = {}
+    for value in switch_values(flag):
+        base = dict(num_generations=2, loss_agg="token_mean", cliprange=0.1)
+        args = P.Args(**{**base, flag: value})
+        if flag in ("advantage_estimator", "kl_in"):
+            v = values if P.ESTIMATORS[args.advantage_estimator]["learns_value"] else 0 * values
+            phase_4 = P.advantages_and_returns(scores, kl, 0.3, v, mask, mask, args)
+            outputs[value] = torch.cat(phase_4)
+        elif flag == "policy_loss":
+            outputs[value] = P.policy_loss(new, old, advantages, mask, args)[0]
+        elif flag == "kl_estimator":
+            outputs[value] = P.kl_estimate(new, ref, value)
+        elif flag == "loss_agg":
+            outputs[value] = P.aggregate(x, mask, value, 6)
+        else:  # "none": main hands the loss no weights
+            outputs[value] = torch.ones_like(new) if value == "none" else P.rollout_weights(
+                new, old, mask, value, 1.5)
+    return outputs
+
+
+@pytest.mark.parametrize("flag", SWITCHES)
+def test_every_value_of_a_switch_has_its_row_and_a_branch_of_its_own(flag):
+    """A fork that adds a value to one of the six switches and forgets its branch, or (estimators
+    and policy losses) its row of facts, fails here: each estimator and each policy loss has a row
+    (ESTIMATORS, POLICY_LOSSES), a value without a branch raises (never runs another's formula), and
+    on one fixed random input every value's output differs from every other value's."""
+    if flag in ("advantage_estimator", "policy_loss"):
+        table = P.ESTIMATORS if flag == "advantage_estimator" else P.POLICY_LOSSES
+        assert set(table) == set(switch_values(flag))
+        assert all(row.keys() == next(iter(table.values())).keys() for row in table.values())
+    outputs = switch_outputs(flag, torch.Generator().manual_seed(12))
+    for a, b in itertools.combinations(outputs, 2):
+        assert not torch.allclose(outputs[a], outputs[b]), (a, b)
+    mask, x = torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 3)
+    for unknown in (lambda: P.kl_estimate(x, x, "k4"), lambda: P.aggregate(x, mask, "mean", 3),
+                    lambda: P.rollout_weights(x, x, mask, "token_clip", 2.0),
+                    lambda: P.baselined_scores(x[0], None, 3, "opo"),
+                    lambda: P.policy_loss(x, x, x, mask, P.Args(policy_loss="gmpo")),
+                    lambda: P.advantages_and_returns(x[:, 0], x, 0.1, x, mask, mask,
+                                                     P.Args(kl_in="advantage"))):
+        with pytest.raises(ValueError, match="no branch for"):
+            unknown()
+    with pytest.raises(SystemExit, match="--advantage_estimator opo: no row of facts"):
+        P.check_args(P.Args(advantage_estimator="opo"))
+
+
+MATH_HELPERS = {"gae": [], "policy_loss": ["response_mean"], "value_loss": ["masked_mean"],
+                "kl_estimate": [], "baselined_scores": [],
+                "aggregate": ["masked_mean", "response_mean"]}
+
+
+def test_the_math_a_fork_pastes_runs_on_its_own():
+    """Each math function a fork would copy out (with the helpers its docstring names, in a
+    namespace holding only torch, math and F) runs every branch and gives the file's numbers;
+    policy_loss reads no field of its args object beyond those its docstring lists."""
+    gen = torch.Generator().manual_seed(13)
+    mask = torch.arange(5) < torch.tensor([5, 2, 3])[:, None]
+    randn = lambda: torch.randn(3, 5, dtype=torch.float64, generator=gen)  # noqa: E731
+    old, new, advantages, values, returns = (randn() for _ in range(5))
+    pasted = {}
+    for name, helpers in MATH_HELPERS.items():
+        doc = getattr(P, name).__doc__
+        assert all(helper in doc for helper in helpers), name
+        namespace = {"torch": torch, "math": math, "F": F}
+        for function in helpers + [name]:
+            exec(inspect.getsource(getattr(P, function)), namespace)
+        pasted[name] = namespace[name]
+    doc = P.policy_loss.__doc__
+    listed = re.search(r"args: ([^.]*)\.", doc.replace("\n", " "))[1]
+    fields = [f.strip() for f in listed.split(",")]
+    branches = itertools.product(P.POLICY_LOSSES, ("token", "sequence"), (None, 2.0))
+    for loss, level, dual_clip in branches:
+        full = P.Args(policy_loss=loss, importance_sampling_level=level, dual_clip=dual_clip,
+                      cliprange_high=0.3)
+        args = SimpleNamespace(**{f: getattr(full, f) for f in fields})
+        mine, theirs = P.policy_loss(new, old, advantages, mask, full), pasted["policy_loss"](
+            new, old, advantages, mask, args)
+        assert torch.equal(mine[0], theirs[0]), (loss, level, dual_clip)
+    for estimator in P.ESTIMATORS:
+        scores = torch.randn(4, dtype=torch.float64, generator=gen)
+        assert torch.equal(pasted["baselined_scores"](scores, None, 2, estimator),
+                           P.baselined_scores(scores, None, 2, estimator))
+    for k in ("k1", "k2", "k3"):
+        assert torch.equal(pasted["kl_estimate"](new, old, k), P.kl_estimate(new, old, k))
+    for loss_agg in switch_values("loss_agg"):
+        assert torch.equal(pasted["aggregate"](new, mask, loss_agg, 5),
+                           P.aggregate(new, mask, loss_agg, 5))
+    assert torch.equal(pasted["gae"](new, values, mask, 0.9, 0.8)[0],
+                       P.gae(new, values, mask, 0.9, 0.8)[0])
+    assert torch.equal(pasted["value_loss"](new, values, returns, mask, 0.2)[0],
+                       P.value_loss(new, values, returns, mask, 0.2)[0])
+
+
 def test_group_baselines_closed_forms():
     scores = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0], dtype=torch.float64)  # 2 groups of k = 4
     g = scores.view(2, 4)
-    rloo = P.baselined_scores(scores, 4, "rloo")
+    lengths = torch.tensor([3, 1, 4, 2, 5, 2, 1, 6])
+    rloo = P.baselined_scores(scores, lengths, 4, "rloo")
     assert rloo.tolist() == pytest.approx([1 - 11 / 3, 2 - 10 / 3, 3 - 9 / 3, 6 - 6 / 3, 0, 0, 0, 0])
     std = math.sqrt(sum((v - 3) ** 2 for v in (1, 2, 3, 6)) / 3)  # unbiased
-    assert P.baselined_scores(scores, 4, "grpo").tolist() == pytest.approx(
+    assert P.baselined_scores(scores, lengths, 4, "grpo").tolist() == pytest.approx(
         [(v - 3) / (std + 1e-4) for v in (1, 2, 3, 6)] + [0] * 4)
     for estimator in ("dr_grpo", "reinforce_pp_baseline"):
-        assert P.baselined_scores(scores, 4, estimator).tolist() == [-2, -1, 0, 3, 0, 0, 0, 0]
+        centered = P.baselined_scores(scores, lengths, 4, estimator)
+        assert centered.tolist() == [-2, -1, 0, 3, 0, 0, 0, 0]
     for estimator in ("gae", "reinforce_pp"):
-        assert torch.equal(P.baselined_scores(scores, 4, estimator), scores)
+        assert torch.equal(P.baselined_scores(scores, lengths, 4, estimator), scores)
     assert torch.allclose(rloo * 3 / 4, g.sub(g.mean(1, keepdim=True)).flatten())  # RLOO = k/(k−1) x mean-centred
 
 
@@ -926,7 +1055,8 @@ def test_everything_after_the_stop_token_is_masked_out():
         g = torch.Generator().manual_seed(6)
         logp, ref, values, new_logp, new_values = (fill(torch.randn(3, 6, generator=g)) for _ in range(5))
         kl = torch.where(mask, P.kl_estimate(logp, ref, "k3"), 0.0)
-        rewards = P.per_token_rewards(torch.tensor([1.0, -1.0, 0.5]), kl, mask, 0.1)
+        penalties = torch.where(mask, -0.1 * kl, 0.0)
+        rewards = P.per_token_rewards(torch.tensor([1.0, -1.0, 0.5]), penalties, mask)
         advantages, returns = P.gae(rewards, values, mask, 1.0, 0.95)
         advantages = P.masked_whiten(advantages, mask, *P.global_mean_var(advantages, mask))
         per_token, tokens = P.policy_loss(new_logp, logp, advantages, None, P.Args(cliprange_high=0.3, dual_clip=1.5))
@@ -1994,10 +2124,12 @@ def test_equal_score_groups_are_groups_of_equal_scores_not_of_float_std_zero(tin
 
 @pytest.mark.parametrize("case", list(FAMILY))
 def test_the_value_free_estimators_wire_their_advantages(tiny, tmp_path, monkeypatch, case):
-    """What main() hands the PPO update under each value-free estimator, against a naive per-sample loop: groups of
-    k rows share a prompt; s'_i = s_i − the group's baseline; r_t = −β·KL_t (KL in the reward) + s'_i on the last
-    token; A_t = Σ_{t'≥t} γ^(t'−t)·r_t', whitened over the batch for reinforce_pp*. No value model is loaded, trained
-    or saved; β 0 loads no reference; the adaptive controller moves β by its formula."""
+    """What main() hands the PPO update under each value-free estimator, against a naive per-sample
+    loop: groups of k rows share a prompt; s'_i = s_i − the group's baseline; r_t = −β·KL_t (KL in
+    the reward) + s'_i on the last token; A_t = Σ_{t'≥t} γ^(t'−t)·r_t', whitened over the batch for
+    reinforce_pp*. No value model is loaded, trained or saved; β 0 loads no reference; the adaptive
+    controller moves β by its formula. objective/rlhf_reward is score − β·Σ_t KL_t wherever the KL
+    goes, objective/non_score_reward the penalty r_t took (0: the KL in the loss)."""
     estimator, k, kl_in, kl_coef, target, *flags = FAMILY[case]
     calls = spy_on_updates(monkeypatch)
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"], total_episodes=24,
@@ -2012,6 +2144,11 @@ def test_the_value_free_estimators_wire_their_advantages(tiny, tmp_path, monkeyp
     for (batch, _, values, model), m in zip(calls, metrics):
         assert values is None and not any(n.startswith("value_model") for n, _ in model.named_parameters())
         assert m["objective/kl_coef"] == pytest.approx(kl_coef if target is None else batch["kl_coef"])
+        penalty = batch["kl_coef"] * batch["kl"].sum(1)  # β·Σ_t KL_t per response
+        objective = (batch["scores"] - penalty).mean().item()
+        assert m["objective/rlhf_reward"] == pytest.approx(objective, abs=1e-6)
+        applied = -penalty.mean().item() if kl_in == "reward" else 0.0  # in the loss: none in r_t
+        assert m["objective/non_score_reward"] == pytest.approx(applied, abs=1e-6)
         mask, lengths = batch["response_mask"], batch["lengths"].tolist()
         queries = batch["query_responses"][:, : batch["context_length"]]
         assert all(torch.equal(queries[i], queries[i - i % k]) for i in range(len(queries)))  # k rows, one prompt
@@ -3729,11 +3866,13 @@ def test_the_update_takes_the_beta_of_its_batch(tiny, tmp_path):
 
 @pytest.mark.parametrize("correction", ["naive", "decoupled", "grpo", "decoupled_bf16"])
 def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_path, monkeypatch, correction):
-    """--replay_rounds 1: each update trains on its fresh rows and the previous update's rows (not older ones), row
-    by row as sampled but re-padded, age 1, with μ, log π_ref and rewards as stored; π_prox and V of the models at the
-    update's start (under --dtype bf16 in bf16 autocast, at --temperature, as the fresh rows' log π_old); GAE
-    recomputed and whitened over all rows (grpo, naive: the stored advantages). The first update (nothing to replay)
-    is today's."""
+    """--replay_rounds 1: each update trains on its fresh rows and the previous update's rows (not
+    older ones), row by row as sampled but re-padded, age 1, with μ, log π_ref, scores and KL_t as
+    stored; π_prox and V of the models at the update's start (under --dtype bf16 in bf16 autocast,
+    at --temperature, as the fresh rows' log π_old); phase 4 recomputed on all rows
+    (advantages_and_returns): each row's rewards as at its update (its β), GAE with today's V
+    whitened over all rows (grpo: the advantages of its own update). The first update (nothing to
+    replay) is today's."""
     seen = []  # per update: the fresh batch, the buffer's batch and the models' π_prox and V of it, the train batch
     replay_batch = P.replay_batch
 
@@ -3779,8 +3918,9 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
             real = train["attention_mask"][j]
             assert torch.equal(train["query_responses"][j][real], part["query_responses"][i][part["attention_mask"][i]])
             assert torch.equal(train["query_responses"][j, P_ : P_ + r], part["query_responses"][i, c:])
-            for key in ("response_mask", "loss_mask", "ref_logprobs", "rewards"):
+            for key in ("response_mask", "loss_mask", "ref_logprobs", "kl"):
                 assert torch.equal(train[key][j, :r], part[key][i]) and not train[key][j, r:].any()
+            assert train["scores"][j] == part["scores"][i]
         parts = (fresh, old)
         width = train["logprobs"].shape[1]
         mu = torch.cat([F.pad(x, (0, width - x.shape[1])) for x in (fresh["sampler_logprobs"], old["logprobs"])])
@@ -3788,12 +3928,15 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
         prox = torch.cat([F.pad(x, (0, width - x.shape[1])) for x in (fresh["logprobs"], old["prox"])])  # fresh: π_old
         assert torch.allclose(train["values"], values, atol=1e-5)  # V of now, for the replayed rows too
         assert torch.equal(train["sampler_logprobs"], mu)  # the off-policy mask's μ: the sampler's, stored
-        mask = train["response_mask"]
-        advantages, returns = P.gae(train["rewards"], train["values"], mask, 1.0, 0.95 if correction != "grpo" else 1)
+        mask, then = train["response_mask"], seen[u - 1][0]  # then: the old rows' own update
+        def widened(key):  # the fresh rows', then the old ones', at the train batch's width
+            return torch.cat([F.pad(b[key], (0, width - b[key].shape[1])) for b in (fresh, then)])
+        lam = 0.95 if correction != "grpo" else 1
+        advantages, returns = P.gae(widened("rewards"), train["values"], mask, 1.0, lam)
         assert torch.allclose(train["returns"], returns)
-        if correction == "grpo":  # no value model: each row keeps its group baseline's advantages
-            stored = torch.cat([F.pad(b["advantages"], (0, mu.shape[1] - b["advantages"].shape[1])) for b in parts])
-            assert not train["values"].any() and torch.equal(train["advantages"], stored)
+        if correction == "grpo":  # no value model: each row's advantages as at its own update
+            assert not train["values"].any()
+            assert torch.equal(train["advantages"], widened("advantages"))
             continue
         assert not torch.allclose(old["values"], seen[u - 1][0]["values"], atol=1e-3)  # V has moved since
         assert torch.allclose(train["advantages"], P.masked_whiten(advantages, mask, *P.global_mean_var(advantages,
@@ -3825,6 +3968,43 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
     assert first == DETERMINISTIC_KEYS(today)
 
 
+def test_a_term_added_in_phase_4_reaches_every_row_replay_trains_on(tiny, tmp_path, monkeypatch):
+    """A fork's advantage-level term lives in advantages_and_returns, which replay calls on its
+    stored rows too: a term added there (+100 on every real token's advantage) is in every row the
+    PPO epochs train on, fresh and replayed, at updates 2 and 3 (--replay_rounds 2), for GAE and for
+    a group baseline."""
+    real = P.advantages_and_returns
+
+    def with_a_term(scores, kl, kl_coef, values, mask, loss_mask, args):
+        phase_4 = real(scores, kl, kl_coef, values, mask, loss_mask, args)
+        penalties, rewards, advantages, returns = phase_4
+        return penalties, rewards, torch.where(mask, advantages + 100, advantages), returns
+    monkeypatch.setattr(P, "advantages_and_returns", with_a_term)
+    calls = spy_on_updates(monkeypatch)
+    for flags in (dict(), dict(advantage_estimator="grpo", num_generations=2)):
+        P.main(run_args(tiny, tmp_path / str(len(flags)), total_episodes=24, replay_rounds=2,
+                        replay_correction="naive", **flags))
+        for update, (batch, *_) in enumerate(calls[-3:]):
+            mask = batch["response_mask"]
+            assert (batch["age"] > 0).sum() == 8 * update  # 8 rows of each older update
+            assert (batch["advantages"][mask] > 90).all(), update
+
+
+def test_the_rollout_correction_weights_the_loss_without_replay(tiny, tmp_path, monkeypatch):
+    """--rollout_correction is phase 2's, where μ and π_old meet: with --replay_rounds 0
+    replay_batch is not called (here it would fail the test), and the PPO epochs get w =
+    rollout_weights(π_old, μ) as the batch's weights (a cap of 0.5: every weight 0.5)."""
+    monkeypatch.setattr(P, "replay_batch", lambda *a: pytest.fail("replay_batch ran"))
+    calls = spy_on_updates(monkeypatch)
+    P.main(run_args(tiny, tmp_path, dtype="bf16", rollout_correction="token_truncate",
+                    rollout_correction_cap=0.5, total_episodes=8))
+    batch = calls[0][0]
+    mask = batch["response_mask"]
+    mu = batch["sampler_logprobs"]
+    expected = P.rollout_weights(batch["logprobs"], mu, mask, "token_truncate", 0.5)
+    assert torch.equal(batch["weights"], expected) and (batch["weights"][mask] == 0.5).all()
+
+
 def stored_batch(gen, update, rows=4, width=5, scale=1.0):
     """A batch as replay keeps it (3 prompt tokens, ragged responses; the first row full), V and π_prox of now."""
     lengths = torch.randint(1, width + 1, (rows,), generator=gen)
@@ -3835,8 +4015,9 @@ def stored_batch(gen, update, rows=4, width=5, scale=1.0):
     return dict(query_responses=torch.randint(3, 40, (rows, 3 + width), generator=gen), response_mask=mask,
                 attention_mask=torch.cat([torch.ones(rows, 3, dtype=torch.bool), mask], 1), loss_mask=mask,
                 lengths=lengths, logprobs=logprobs, ref_logprobs=real(logprobs - 0.1), update=update, context_length=3,
-                rewards=real(scale * torch.randn(rows, width, generator=gen)), advantages=torch.zeros(rows, width),
-                values=real(torch.randn(rows, width, generator=gen)),
+                scores=scale * torch.randn(rows, generator=gen),
+                kl=real(scale * torch.randn(rows, width, generator=gen)),
+                kl_coef=0.05 * (1 + update), values=real(torch.randn(rows, width, generator=gen)),
                 prox=real(logprobs + scale * 0.3 * torch.randn(rows, width, generator=gen)))
 
 
@@ -3848,7 +4029,7 @@ def replay_worker(rank, port, out_file):
     P.prox_and_values = lambda models, b, args, rt: (b["prox"], b["values"])  # the models' forwards, stubbed
     args = P.Args(replay_rounds=1, replay_correction="naive", response_length=5)
     models = SimpleNamespace(pad_token_id=0)
-    batch = dict(fresh, kl_coef=0.05, sampler_logprobs=fresh["logprobs"])  # fp32: μ is π_old
+    batch = dict(fresh, sampler_logprobs=fresh["logprobs"])  # fp32: μ is π_old
     train = P.replay_batch({"replay": [old]}, batch, 1, models, args, P.Runtime(rank=rank, world_size=2, torchrun=True))
     torch.save((train, batch["replay_metrics"]), f"{out_file}.{rank}")
     P.leave_process_group()
@@ -3856,16 +4037,20 @@ def replay_worker(rank, port, out_file):
 
 @needs_gloo
 def test_replay_whitens_and_reports_over_every_ranks_rows(tmp_path):
-    """2 ranks under --replay_rounds 1: the recomputed GAE advantages of fresh and replayed rows are whitened with
-    the statistics of both ranks' rows; replay/weight_max is the largest π_prox/μ of any rank's replayed tokens and
+    """2 ranks under --replay_rounds 1: the recomputed GAE advantages of fresh and replayed rows
+    (rewards from their scores and KL_t, each batch's own β) are whitened with the statistics of
+    both ranks' rows; replay/weight_max is the largest π_prox/μ of any rank's replayed tokens and
     replay/weight_mean their mean over the replayed (real) tokens alone."""
     spawn_2(replay_worker, str(tmp_path / "out"))
     (train0, metrics0), (train1, metrics1) = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
     assert metrics0 == metrics1
-    train = {k: torch.cat([train0[k], train1[k]]) for k in ("rewards", "values", "response_mask", "advantages",
-                                                          "prox", "logprobs", "age")}
+    keys = ("scores", "kl", "values", "response_mask", "advantages", "prox", "logprobs", "age")
+    train = {k: torch.cat([train0[k], train1[k]]) for k in keys}
     mask = train["response_mask"]
-    advantages, _ = P.gae(train["rewards"], train["values"], mask, 1.0, 0.95)
+    betas = torch.tensor([0.1] * 4 + [0.05] * 4)[:, None].repeat(2, 1)  # each rank: update 1's, 0's
+    penalties = torch.where(mask, -betas * train["kl"], 0.0)
+    rewards = P.per_token_rewards(train["scores"], penalties, mask)
+    advantages, _ = P.gae(rewards, train["values"], mask, 1.0, 0.95)
     whole = P.masked_whiten(advantages, mask, *P.global_mean_var(advantages, mask))
     assert torch.allclose(train["advantages"], whole, atol=1e-5)
     alone = P.masked_whiten(advantages[:8], mask[:8], *P.global_mean_var(advantages[:8], mask[:8]))
@@ -4076,7 +4261,7 @@ def test_two_ranks_of_main_keep_each_group_on_one_rank(tiny, tmp_path, monkeypat
             assert torch.equal(q[0::2], q[1::2])  # rows 2i and 2i + 1: one prompt
         assert queries[0].shape != queries[1].shape or not torch.equal(*queries)  # each rank its own prompts
         scores = torch.cat([a["scores"], b["scores"]])
-        expected = P.baselined_scores(scores, 2, "grpo")
+        expected = P.baselined_scores(scores, None, 2, "grpo")
         mask = torch.cat([F.pad(r["response_mask"], (0, 6 - r["response_mask"].shape[1])) for r in (a, b)])
         advantages = torch.cat([F.pad(r["advantages"], (0, 6 - r["advantages"].shape[1])) for r in (a, b)])
         assert torch.allclose(advantages, torch.where(mask, expected[:, None], 0.0), atol=1e-6)
