@@ -772,16 +772,18 @@ def test_every_value_of_a_switch_has_its_row_and_a_branch_of_its_own(flag):
     for a, b in itertools.combinations(outputs, 2):
         assert not torch.allclose(outputs[a], outputs[b]), (a, b)
     mask, x = torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 3)
-    for unknown in (lambda: P.kl_estimate(x, x, "k4"), lambda: P.aggregate(x, mask, "mean", 3),
-                    lambda: P.rollout_weights(x, x, mask, "token_clip", 2.0),
-                    lambda: P.baselined_scores(x[0], None, 3, "opo"),
-                    lambda: P.policy_loss(x, x, x, mask, P.Args(policy_loss="gmpo")),
-                    lambda: P.advantages_and_returns(x[:, 0], x, 0.1, x, mask, mask,
-                                                     P.Args(kl_in="advantage"))):
+    new = "a fork's new value"  # without its branch
+    for unknown in (lambda: P.kl_estimate(x, x, new), lambda: P.aggregate(x, mask, new, 3),
+                    lambda: P.rollout_weights(x, x, mask, new, 2.0),
+                    lambda: P.rollout_weights(x, x, mask, "token_" + new, 2.0),
+                    lambda: P.baselined_scores(x[0], torch.ones(3), 3, new),
+                    lambda: P.policy_loss(x, x, x, mask, P.Args(policy_loss=new)),
+                    lambda: P.advantages_and_returns(x[:, 0], x, 0.1, x, mask, mask, P.Args(kl_in=new))):
         with pytest.raises(ValueError, match="no branch for"):
             unknown()
-    with pytest.raises(SystemExit, match="--advantage_estimator opo: no row of facts"):
-        P.check_args(P.Args(advantage_estimator="opo"))
+    for flag in ("advantage_estimator", "policy_loss"):
+        with pytest.raises(SystemExit, match=f"--{flag} {new}: no row of facts"):
+            P.check_args(P.Args(**{flag: new}))
 
 
 MATH_HELPERS = {"gae": [], "policy_loss": ["response_mean"], "value_loss": ["masked_mean"],
@@ -816,10 +818,11 @@ def test_the_math_a_fork_pastes_runs_on_its_own():
         mine, theirs = P.policy_loss(new, old, advantages, mask, full), pasted["policy_loss"](
             new, old, advantages, mask, args)
         assert torch.equal(mine[0], theirs[0]), (loss, level, dual_clip)
+    lengths = torch.tensor([3, 1, 5, 2])
     for estimator in P.ESTIMATORS:
         scores = torch.randn(4, dtype=torch.float64, generator=gen)
-        assert torch.equal(pasted["baselined_scores"](scores, None, 2, estimator),
-                           P.baselined_scores(scores, None, 2, estimator))
+        assert torch.equal(pasted["baselined_scores"](scores, lengths, 2, estimator),
+                           P.baselined_scores(scores, lengths, 2, estimator))
     for k in ("k1", "k2", "k3"):
         assert torch.equal(pasted["kl_estimate"](new, old, k), P.kl_estimate(new, old, k))
     for loss_agg in switch_values("loss_agg"):
@@ -4261,7 +4264,7 @@ def test_two_ranks_of_main_keep_each_group_on_one_rank(tiny, tmp_path, monkeypat
             assert torch.equal(q[0::2], q[1::2])  # rows 2i and 2i + 1: one prompt
         assert queries[0].shape != queries[1].shape or not torch.equal(*queries)  # each rank its own prompts
         scores = torch.cat([a["scores"], b["scores"]])
-        expected = P.baselined_scores(scores, None, 2, "grpo")
+        expected = P.baselined_scores(scores, torch.cat([a["lengths"], b["lengths"]]), 2, "grpo")
         mask = torch.cat([F.pad(r["response_mask"], (0, 6 - r["response_mask"].shape[1])) for r in (a, b)])
         advantages = torch.cat([F.pad(r["advantages"], (0, 6 - r["advantages"].shape[1])) for r in (a, b)])
         assert torch.allclose(advantages, torch.where(mask, expected[:, None], 0.0), atol=1e-6)
