@@ -46,7 +46,7 @@ import time
 import traceback
 import warnings
 from collections import defaultdict, deque
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from types import SimpleNamespace
@@ -949,6 +949,9 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     tokenizer = from_pretrained(AutoTokenizer, model_path if own_tokenizer else base_model,
                                 "model_name_or_path", args)
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base_model, policy_config)
+    for path in resume_candidates(args, output_dir)[:1]:  # the one resume() loads first, before any weights
+        with suppress(*DAMAGED):  # damaged: resume() skips it, or says why it cannot load it
+            check_checkpoint(path, args, stop_token_ids, int(os.environ.get("WORLD_SIZE", 1)))
     if not stop_token_ids and int(os.environ.get("RANK", 0)) == 0:
         say("note: no stop id (--stop_token, --stop_token_id, the tokenizer, generation_config): "
             f"every response runs to --response_length {args.response_length}")
@@ -1928,7 +1931,8 @@ def import_peft(flag):
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
     save_every save_total_limit resume export_checkpoint distributed shard_frozen_models offload_frozen_models
     rollout_unshard dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
-CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (load_checkpoint), but 3 is still exported
+CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
+DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint's reads
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
 
 
@@ -2038,31 +2042,36 @@ def trained_state(model, optimizer, args):
     return {"model": weights, "optimizer": optimizer_state}
 
 
-def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models, progress):
-    """Restore checkpoint() on every rank (weights_only: runs no code). -> (update, progress)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+def check_checkpoint(path, args, stop_token_ids, world_size):
+    """state.pt (small, weights_only: runs no code) against this run, before any weights load. -> it."""
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     found = state.get("format")
     exportable = found == 3 and args.export_checkpoint  # 3: the weights as 4's, replay in state.pt
-    if found != CHECKPOINT_FORMAT and not exportable:
-        how = "start a new run"
-        if found == 3:  # its weights can be read
-            how = ("export it (--export_checkpoint --resume FOLDER) and start a new run from the "
-                   "exported policy")
+    export = "export it (--export_checkpoint --resume FOLDER) and start a new run from the exported policy"
+    if found != CHECKPOINT_FORMAT and not exportable:  # 3: its weights can be read
         fail(f"--resume {path!r} was written by another version of ppo_rlhf.py (checkpoint format "
-             f"{found}, this one reads {CHECKPOINT_FORMAT}); {how}")
-    changed = [k for k, v in asdict(args).items() if state["config"].get(k) != v
+             f"{found}, this one reads {CHECKPOINT_FORMAT}); {export if found == 3 else 'start a new run'}")
+    stored = state["config"]
+    changed = [f"--{k} ({stored.get(k)} → {v})" for k, v in asdict(args).items() if stored.get(k) != v
                and k not in RUN_ONLY_FIELDS | {"stop_token", "stop_token_id"}]  # stop ids: below
     if changed:
-        fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
+        fail(f"--resume {path!r} was written with other values of {', '.join(changed)}; resume with "
+             f"the stored values, or {export}")
     then = state["stop_token_ids"]
-    if then != models.stop_token_ids:  # however the flags or generation_config name them
-        fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {models.stop_token_ids}: give "
+    if then != stop_token_ids:  # however the flags or generation_config name them
+        fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {stop_token_ids}: give "
              + (f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"))
-    if state["world_size"] != rt.world_size and not args.export_checkpoint:  # the prompt stream depends on it
+    if state["world_size"] != world_size and not args.export_checkpoint:  # the prompt stream depends on it
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
+    return state
+
+
+def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models, progress):
+    """Restore checkpoint() on every rank, checked first. -> (update, progress)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    state = check_checkpoint(path, args, models.stop_token_ids, rt.world_size)
     progress = {key: state[key] for key in progress if key != "replay"}
     if args.replay_rounds and not args.export_checkpoint:  # this rank's buffer (an export: none)
         file = f"replay-rank{rt.rank}.pt"
@@ -2100,8 +2109,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     logs = [os.path.join(output_dir, f) for f in ("metrics.jsonl", "samples.jsonl") if rt.rank == 0]
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
-    candidates = all_ranks_objects((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
-                                   if args.resume == "auto" else [args.resume])[0]
+    candidates = all_ranks_objects(resume_candidates(args, output_dir))[0]
     start_update = 0
     for path in candidates:
         try:
@@ -2109,7 +2117,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
                                                      args, rt, models, progress)
             log.print(f"resumed from {path} after update {start_update}")
             break
-        except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
+        except (*DAMAGED, CheckpointException) as e:
             reason = str(e).strip().splitlines()[0]
             if path == candidates[-1]:  # the one named, or the oldest
                 fail(f"--resume {path!r} cannot be loaded: {reason}")
@@ -2130,6 +2138,13 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
             g.writelines(ln for ln in f if ln.strip() and json.loads(ln)["update"] <= start_update)
         os.replace(path + ".tmp", path)
     return start_update, progress
+
+
+def resume_candidates(args, output_dir):
+    """The checkpoints --resume names, in the order resume() tries them: with auto, newest first."""
+    if args.resume != "auto":
+        return [args.resume] if args.resume else []
+    return list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else []
 
 
 def run_folder(args, rt):

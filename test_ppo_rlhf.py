@@ -3148,6 +3148,27 @@ def test_every_run_only_field_is_a_field_and_run_only_flags_may_change_on_resume
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
 
 
+def test_the_checkpoint_to_resume_is_checked_before_any_model_loads(tiny, tmp_path):
+    """A checkpoint of other flags is refused in one line naming stored -> given values before any weights load:
+    here the policy's weights are gone, so loading them would fail first with another error. With --resume auto the
+    checkpoint it finds is checked so too."""
+    policy = str(tmp_path / "policy")
+    shutil.copytree(tiny["gpt2"], policy)
+    args = run_args(tiny, tmp_path, model_name_or_path=policy, total_episodes=8, save_every=1)
+    P.main(args)
+    for weights in glob.glob(os.path.join(policy, "*.safetensors")):
+        os.remove(weights)
+    os.remove(os.path.join(args.output_dir, "complete.json"))  # as if stopped: auto would resume it
+    checkpoint = os.path.join(args.output_dir, "checkpoint-000001")
+    for resume in (checkpoint, "auto"):
+        with pytest.raises(SystemExit) as exc:
+            P.main(dataclasses.replace(args, resume=resume, learning_rate=2e-3, kl_coef=0.1))
+        assert str(exc.value) == (
+            f"error: --resume {checkpoint!r} was written with other values of --kl_coef (0.05 → 0.1), "
+            "--learning_rate (0.001 → 0.002); resume with the stored values, or export it (--export_checkpoint "
+            "--resume FOLDER) and start a new run from the exported policy")
+
+
 def test_the_non_finite_streak_survives_a_resume(tiny, tmp_path, capsys):
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:huge_score"], total_episodes=64,
                     save_every=1)
