@@ -2128,8 +2128,10 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
             os.replace(path, path + stale)
         log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed run): set aside as "
                   f"metrics.jsonl{stale}, starting over at update 1")
-    elif not candidates:
-        log.print(f"--resume auto: no checkpoint in {output_dir}, nothing to resume: starting at update 1")
+    elif not candidates:  # absolute paths: a requeued job started in another folder looks elsewhere
+        looked = output_dir if args.output_dir else os.path.join("runs", f"{args.exp_name}__{args.seed}__*")
+        log.print(f"--resume auto: no checkpoint in {os.path.abspath(looked)}, nothing to resume: starting "
+                  f"{os.path.abspath(output_dir)} at update 1")
     if len(set(all_ranks_objects(start_update))) > 1:
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
              "is --output_dir on a filesystem every node sees?")

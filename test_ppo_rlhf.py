@@ -2979,12 +2979,23 @@ def test_a_run_stopped_in_its_default_folder_resumes_with_resume_auto_alone(tiny
     assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b]
 
 
-def test_resume_auto_with_nothing_to_resume_says_so_and_starts(tiny, tmp_path, monkeypatch, capsys):
+def test_resume_auto_with_nothing_to_resume_says_where_it_looked_starts_and_the_same_command_resumes(
+        tiny, tmp_path, monkeypatch, capsys):
+    """A requeue script's one command, --resume auto, on its first launch (no runs/ yet) starts a run, naming the
+    runs/ it searched and the folder it starts as absolute paths (a job started in another folder looks elsewhere);
+    stopped after update 1, the same command resumes it, and once more finds it complete."""
     monkeypatch.chdir(tmp_path)
-    P.main(run_args(tiny, tmp_path, output_dir=None, resume="auto", total_episodes=8))
-    out = capsys.readouterr().out
-    assert re.search(r"--resume auto: no checkpoint in runs/ppo_rlhf__1__\d+, nothing to resume", out)
-    assert len(read_metrics(glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*"))[0])) == 1
+    args = run_args(tiny, tmp_path, output_dir=None, resume="auto", save_every=0)
+    monkeypatch.setattr(P, "STOP_SIGNALS", [(signal.SIGTERM, time.monotonic())])  # stops after update 1
+    P.main(args)
+    folder = glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*"))[0]
+    assert (f"--resume auto: no checkpoint in {tmp_path}/runs/ppo_rlhf__1__*, nothing to resume: starting {folder} "
+            "at update 1") in capsys.readouterr().out
+    monkeypatch.setattr(P, "STOP_SIGNALS", [])
+    P.main(args)
+    assert "resumed from runs/ppo_rlhf__1__" in capsys.readouterr().out
+    assert [m["update"] for m in read_metrics(folder)] == [1, 2]
+    assert P.main(args) is None and "holds a complete run of 2 updates" in capsys.readouterr().out
 
 
 def test_resume_auto_alone_takes_the_newest_run_folder_that_has_a_checkpoint(tmp_path, monkeypatch):
