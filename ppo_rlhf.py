@@ -1356,8 +1356,14 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     """-> texts, ids, chat messages, the rows' other fields, over-long counts."""
     split = args.dataset_train_split if flag == "dataset" else args.dataset_test_split
     rows, lines = read_prompts(dataset, split, flag)
-    texts, ids, messages = render_prompts([row.get("prompt", row.get("messages")) for row in rows], tokenizer, flag)
     where = lambda i: f"row {i + 1}" + (f" (line {lines[i]})" if lines else "")  # noqa: E731 (from 1, as files)
+    prompts = [row.get("prompt", row.get("messages")) for row in rows]
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) and not (isinstance(p, list) and p and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in p))]
+    if bad:  # else transformers' chat template fails on it, naming no row
+        fail(f"--{flag} {dataset!r}: {where(bad[0])} is not a text or a non-empty list of messages "
+             '{"role": str, "content": str}')
+    texts, ids, messages = render_prompts(prompts, tokenizer, flag)
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
     if [] in ids:

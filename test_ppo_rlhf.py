@@ -1137,6 +1137,18 @@ def test_trls_prompt_of_messages_rows_are_chat_rows_as_messages_rows_are(tiny, t
                                   "policy's tokenizer has no chat template")
 
 
+@pytest.mark.parametrize("messages", [[], ["hi"], [{"role": "user"}], [{"role": "user", "content": 3}]])
+def test_a_chat_row_that_is_not_a_list_of_role_and_content_strings_is_one_line_naming_its_row(tiny, tmp_path,
+                                                                                                 messages):
+    path = tmp_path / "chat.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "w1 w2"}]})
+    path.write_text(f"{good}\n\n{json.dumps({'messages': messages})}\n{good}\n")
+    with pytest.raises(SystemExit) as exc:
+        P.load_prompts(str(path), P.Args(), AutoTokenizer.from_pretrained(tiny["chat"]), None)
+    assert str(exc.value) == (f"error: --dataset {str(path)!r}: row 2 (line 3) is not a text or a non-empty list of "
+                              'messages {"role": str, "content": str}')
+
+
 # ----------------------------------------------------------------------------------------------------------- end to end
 def check_run(output_dir, initial_path, metrics, value_init=None):
     assert metrics and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
