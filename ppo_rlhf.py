@@ -1662,8 +1662,21 @@ def start_processes(args):
     torchrun = in_process_group()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
     low_dtype = None if args.dtype == "fp32" else DTYPES[args.dtype]
+    if device.type == "cpu" and low_dtype and rank == 0 and not cpu_has_units(args.dtype):
+        say(f"note: --dtype {args.dtype} runs slower than fp32 on this CPU (no avx512_{args.dtype} or "
+            f"amx_{args.dtype} in /proc/cpuinfo); choose it to match a GPU run's {args.dtype} numbers")
     return Runtime(rank, world_size, device, torchrun, torchrun and args.distributed == "fsdp", low_dtype,
                    args.offload_frozen_models)
+
+
+def cpu_has_units(dtype, cpuinfo="/proc/cpuinfo"):
+    """Whether the CPU's flags list bf16 or fp16 units (avx512_bf16, amx_fp16...); True where unreadable."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):  # not Linux, or no flags line: nothing to say
+        return True
+    return f"avx512_{dtype}" in flags or f"amx_{dtype}" in flags
 
 
 def in_process_group():

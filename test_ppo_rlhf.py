@@ -1578,6 +1578,25 @@ def test_end_to_end_mixed_precision_and_checkpointing(tiny, tmp_path, monkeypatc
     assert next(policy.parameters()).dtype == torch.float32  # fp32 master weights
 
 
+def test_low_precision_on_a_cpu_without_its_units_gets_one_note_at_the_start(tmp_path, monkeypatch, capsys):
+    """bf16 autocast on a CPU whose flags lack avx512_bf16 and amx_bf16 (fp16: avx512_fp16, amx_fp16) is slower than
+    fp32: one note on stdout; none with the units, under fp32, or where /proc/cpuinfo cannot be read."""
+    has_units, cpuinfo = P.cpu_has_units, tmp_path / "cpuinfo"
+    monkeypatch.setattr(P, "cpu_has_units", lambda dtype: has_units(dtype, str(cpuinfo)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the run's device is the CPU
+    for flags, dtype, noted in (("fpu sse2 avx512f", "bf16", True), ("fpu avx512_bf16", "bf16", False),
+                                ("fpu amx_bf16", "bf16", False), ("fpu avx512_bf16", "fp16", True),
+                                ("fpu amx_fp16", "fp16", False), ("fpu", "fp32", False), (None, "bf16", False)):
+        if flags:
+            cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+        else:  # unreadable
+            cpuinfo.unlink()
+        P.start_processes(P.Args(dtype=dtype))
+        note = (f"note: --dtype {dtype} runs slower than fp32 on this CPU (no avx512_{dtype} or amx_{dtype} in "
+                f"/proc/cpuinfo); choose it to match a GPU run's {dtype} numbers\n")
+        assert capsys.readouterr().out == (note if noted else ""), (flags, dtype)
+
+
 def test_an_fp16_checkpoint_trains_under_fp16_and_a_bf16_one_gets_a_warning(tiny, tmp_path, capsys):
     """fp16-stored policy and reward model under --dtype fp16: fp32 master weights, so GradScaler unscales fp32
     gradients and the run ends (with fp16 weights it stopped at "Attempting to unscale FP16 gradients"). A bf16-stored
