@@ -2222,8 +2222,11 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
     if rt.torchrun:
         dist.barrier()  # wait for the write here
     if stop:  # how to go on
-        log.print(f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
-                  "--resume auto")
+        line = f"saved {path}; continue with the same flags plus: --output_dir {output_dir} --resume auto"
+        log.print(line)
+    if stop and rt.rank == 0:  # in the run folder too: a `| tee` dies with the Ctrl-C
+        with open(os.path.join(output_dir, "stopped.txt"), "w") as f:
+            f.write(f"stopped by a signal after update {update}\n{line}\n")
     return stop
 
 
@@ -2235,7 +2238,8 @@ def request_stop(signum, frame):
         return
     STOP_SIGNALS.append((signum, time.monotonic()))
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the signal; one notice
-        say(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr)
+        say(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint (a second Ctrl-C "
+            "stops at once, losing this update)", file=sys.stderr)
 
 
 # ------------------------------------- logging and metrics (systems: a first reading may skip this)

@@ -3001,7 +3001,8 @@ def test_a_run_stopped_in_its_default_folder_resumes_with_resume_auto_alone(tiny
     out, err = process.communicate(timeout=300)
     folder = os.path.relpath(glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*"))[0], tmp_path)
     assert process.returncode == 0 and f"--output_dir {folder} --resume auto" in out.splitlines()[-1], err
-    assert err.strip().splitlines()[-1] == "SIGINT: finishing this update, then saving a checkpoint"
+    assert err.strip().splitlines()[-1] == ("SIGINT: finishing this update, then saving a checkpoint (a second Ctrl-C "
+                                            "stops at once, losing this update)")
     resumed = cli_run(tiny, None, "--resume", "auto", cwd=tmp_path)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0 and f"output {folder}" in out.splitlines()[0] and "resumed from" in out, err
@@ -3046,6 +3047,23 @@ def test_only_rank_0_prints_the_stop_notice(monkeypatch, capsys):
         monkeypatch.setenv("RANK", rank)
         P.request_stop(signal.SIGINT, None)
         assert ("SIGINT: finishing this update" in capsys.readouterr().err) == printed and P.STOP_SIGNALS
+
+
+def test_a_stopped_run_keeps_how_to_go_on_in_its_folder_and_its_notice_warns_of_a_second_ctrl_c(tiny, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """`... 2>&1 | tee log` dies with the Ctrl-C, and with it the lines saying how to go on: stopped.txt in the run
+    folder keeps them. The notice says what a second Ctrl-C costs."""
+    monkeypatch.setattr(P, "STOP_SIGNALS", [])
+    P.request_stop(signal.SIGINT, None)  # Ctrl-C during update 1
+    assert capsys.readouterr().err == ("\nSIGINT: finishing this update, then saving a checkpoint (a second Ctrl-C "
+                                       "stops at once, losing this update)\n")
+    args = run_args(tiny, tmp_path, save_every=0)
+    P.main(args)
+    how = (f"saved {args.output_dir}/checkpoint-000001; continue with the same flags plus: --output_dir "
+           f"{args.output_dir} --resume auto")
+    assert capsys.readouterr().out.splitlines()[-1] == how
+    with open(os.path.join(args.output_dir, "stopped.txt")) as f:
+        assert f.read() == f"stopped by a signal after update 1\n{how}\n"
 
 
 def test_a_signal_delivered_twice_is_one_stop_request_but_a_later_one_exits(monkeypatch):
