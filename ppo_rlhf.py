@@ -2423,13 +2423,18 @@ class Logger:
         if args.eval_dataset == "auto":  # say what auto chose
             evaluated += " (--eval_dataset auto: " + ("the built-in task's held-out sums)" if inputs.eval_prompts else
                                                        "none for one's own --dataset)")
-        self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
-                   f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
-                   f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
-                   f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, stop ids "
-                   f"{models.stop_token_ids or 'none'}, output {output_dir}; {models.value_source}"
-                   f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
-                   f"{lora}")
+        head = " with a new score head" if getattr(models.value_model, "new_head", False) else ""
+        start = (f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
+                 f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
+                 f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
+                 f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, "
+                 f"stop ids {models.stop_token_ids or 'none'}, output {output_dir}; "
+                 f"{models.value_source}{head}{lora}")
+        if args.export_checkpoint:  # no update runs: what it writes, not the training sizes
+            names = " and ".join(models.source_dtypes).replace("_", " ")
+            start = (f"ppo_rlhf: exporting {args.resume}: {names}, --save_dtype {args.save_dtype}, "
+                     f"to {output_dir}")
+        self.print(start)
         self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)
         self.window, self.quiet_until = deque(maxlen=args.health_window), {}  # {hint: update}
         value = models.value_model is not None  # the columns a run has, as formats of its metrics

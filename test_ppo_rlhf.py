@@ -3229,6 +3229,18 @@ def test_the_checkpoint_to_resume_is_checked_before_any_model_loads(tiny, tmp_pa
             "--resume FOLDER) and start a new run from the exported policy")
 
 
+def test_an_export_says_what_it_exports_not_the_training_sizes(tiny, tmp_path, capsys):
+    args = run_args(tiny, tmp_path, total_episodes=8, save_every=1)
+    P.main(args)
+    checkpoint, exported = os.path.join(args.output_dir, "checkpoint-000001"), str(tmp_path / "exported")
+    capsys.readouterr()
+    P.main(dataclasses.replace(args, resume=checkpoint, export_checkpoint=True, output_dir=exported))
+    out = capsys.readouterr().out
+    assert "updates of" not in out and out.splitlines()[0] == (
+        f"ppo_rlhf: exporting {checkpoint}: policy and value model, --save_dtype fp32, to {exported}")
+    assert out.splitlines()[-1] == f"saved policy and value model (fp32) to {exported}"
+
+
 def test_the_non_finite_streak_survives_a_resume(tiny, tmp_path, capsys):
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:huge_score"], total_episodes=64,
                     save_every=1)
