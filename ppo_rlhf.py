@@ -949,7 +949,7 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     tokenizer = from_pretrained(AutoTokenizer, model_path if own_tokenizer else base_model,
                                 "model_name_or_path", args)
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base_model, policy_config)
-    for path in resume_candidates(args, output_dir)[:1]:  # the one resume() loads first, before any weights
+    for path in resume_candidates(args, output_dir)[:1]:  # resume()'s first, before any weights
         with suppress(*DAMAGED):  # damaged: resume() skips it, or says why it cannot load it
             check_checkpoint(path, args, stop_token_ids, int(os.environ.get("WORLD_SIZE", 1)))
     if not stop_token_ids and int(os.environ.get("RANK", 0)) == 0:
@@ -1358,8 +1358,10 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     rows, lines = read_prompts(dataset, split, flag)
     where = lambda i: f"row {i + 1}" + (f" (line {lines[i]})" if lines else "")  # noqa: E731 (from 1, as files)
     prompts = [row.get("prompt", row.get("messages")) for row in rows]
-    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) and not (isinstance(p, list) and p and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in p))]
+    chat = lambda p: isinstance(p, list) and p and all(  # noqa: E731
+        isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
+        for m in p)
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) and not chat(p)]
     if bad:  # else transformers' chat template fails on it, naming no row
         fail(f"--{flag} {dataset!r}: {where(bad[0])} is not a text or a non-empty list of messages "
              '{"role": str, "content": str}')
@@ -1648,6 +1650,7 @@ class Runtime:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CPUINFO = "/proc/cpuinfo"  # its flags name the CPU's bf16 and fp16 units (avx512_bf16, amx_fp16...)
 
 
 def start_processes(args):
@@ -1662,21 +1665,15 @@ def start_processes(args):
     torchrun = in_process_group()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
     low_dtype = None if args.dtype == "fp32" else DTYPES[args.dtype]
-    if device.type == "cpu" and low_dtype and rank == 0 and not cpu_has_units(args.dtype):
-        say(f"note: --dtype {args.dtype} runs slower than fp32 on this CPU (no avx512_{args.dtype} or "
-            f"amx_{args.dtype} in /proc/cpuinfo); choose it to match a GPU run's {args.dtype} numbers")
+    if device.type == "cpu" and low_dtype and rank == 0 and os.access(CPUINFO, os.R_OK):  # Linux
+        with open(CPUINFO) as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+        units = [f"avx512_{args.dtype}", f"amx_{args.dtype}"]
+        if flags and not set(units) & set(flags):
+            say(f"note: --dtype {args.dtype} runs slower than fp32 on this CPU (no "
+                f"{' or '.join(units)} in {CPUINFO}); choose it to match a GPU run's numbers")
     return Runtime(rank, world_size, device, torchrun, torchrun and args.distributed == "fsdp", low_dtype,
                    args.offload_frozen_models)
-
-
-def cpu_has_units(dtype, cpuinfo="/proc/cpuinfo"):
-    """Whether the CPU's flags list bf16 or fp16 units (avx512_bf16, amx_fp16...); True where unreadable."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):  # not Linux, or no flags line: nothing to say
-        return True
-    return f"avx512_{dtype}" in flags or f"amx_{dtype}" in flags
 
 
 def in_process_group():
@@ -1951,7 +1948,7 @@ RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample
     save_every save_total_limit resume export_checkpoint distributed shard_frozen_models offload_frozen_models
     rollout_unshard dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
 CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
-DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint's reads
+DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
 
 
@@ -2062,25 +2059,28 @@ def trained_state(model, optimizer, args):
 
 
 def check_checkpoint(path, args, stop_token_ids, world_size):
-    """state.pt (small, weights_only: runs no code) against this run, before any weights load. -> it."""
+    """state.pt (small; weights_only: runs no code) against this run, before weights load. -> it."""
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     found = state.get("format")
     exportable = found == 3 and args.export_checkpoint  # 3: the weights as 4's, replay in state.pt
-    export = "export it (--export_checkpoint --resume FOLDER) and start a new run from the exported policy"
+    export = ("export it (--export_checkpoint --resume FOLDER) and start a new run from the "
+              "exported policy")
     if found != CHECKPOINT_FORMAT and not exportable:  # 3: its weights can be read
         fail(f"--resume {path!r} was written by another version of ppo_rlhf.py (checkpoint format "
-             f"{found}, this one reads {CHECKPOINT_FORMAT}); {export if found == 3 else 'start a new run'}")
+             f"{found}, this one reads {CHECKPOINT_FORMAT}); "
+             + (export if found == 3 else "start a new run"))
     stored = state["config"]
-    changed = [f"--{k} ({stored.get(k)} → {v})" for k, v in asdict(args).items() if stored.get(k) != v
-               and k not in RUN_ONLY_FIELDS | {"stop_token", "stop_token_id"}]  # stop ids: below
-    if changed:
-        fail(f"--resume {path!r} was written with other values of {', '.join(changed)}; resume with "
-             f"the stored values, or {export}")
+    changed = [f"--{k} ({stored.get(k)} → {v})" for k, v in asdict(args).items()
+               if stored.get(k) != v and k not in RUN_ONLY_FIELDS | {"stop_token", "stop_token_id"}]
+    if changed:  # stop ids: below
+        fail(f"--resume {path!r} was written with other values of {', '.join(changed)}; resume "
+             f"with the stored values, or {export}")
     then = state["stop_token_ids"]
     if then != stop_token_ids:  # however the flags or generation_config name them
-        fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {stop_token_ids}: give "
-             + (f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"))
-    if state["world_size"] != world_size and not args.export_checkpoint:  # the prompt stream depends on it
+        give = f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"
+        fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {stop_token_ids}: "
+             f"give {give}")
+    if state["world_size"] != world_size and not args.export_checkpoint:  # other prompts
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
     return state
@@ -2148,9 +2148,9 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
         log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed run): set aside as "
                   f"metrics.jsonl{stale}, starting over at update 1")
     elif not candidates:  # absolute paths: a requeued job started in another folder looks elsewhere
-        looked = output_dir if args.output_dir else os.path.join("runs", f"{args.exp_name}__{args.seed}__*")
-        log.print(f"--resume auto: no checkpoint in {os.path.abspath(looked)}, nothing to resume: starting "
-                  f"{os.path.abspath(output_dir)} at update 1")
+        looked = args.output_dir or os.path.join("runs", f"{args.exp_name}__{args.seed}__*")
+        log.print(f"--resume auto: no checkpoint in {os.path.abspath(looked)}, nothing to resume: "
+                  f"starting {os.path.abspath(output_dir)} at update 1")
     if len(set(all_ranks_objects(start_update))) > 1:
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
              "is --output_dir on a filesystem every node sees?")
@@ -2222,7 +2222,8 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
     if rt.torchrun:
         dist.barrier()  # wait for the write here
     if stop:  # how to go on
-        line = f"saved {path}; continue with the same flags plus: --output_dir {output_dir} --resume auto"
+        line = (f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
+                "--resume auto")
         log.print(line)
     if stop and rt.rank == 0:  # in the run folder too: a `| tee` dies with the Ctrl-C
         with open(os.path.join(output_dir, "stopped.txt"), "w") as f:
@@ -2238,8 +2239,8 @@ def request_stop(signum, frame):
         return
     STOP_SIGNALS.append((signum, time.monotonic()))
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the signal; one notice
-        say(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint (a second Ctrl-C "
-            "stops at once, losing this update)", file=sys.stderr)
+        say(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint (a "
+            "second Ctrl-C stops at once, losing this update)", file=sys.stderr)
 
 
 # ------------------------------------- logging and metrics (systems: a first reading may skip this)
