@@ -2080,7 +2080,7 @@ def check_checkpoint(path, args, stop_token_ids, world_size):
         give = f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"
         fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {stop_token_ids}: "
              f"give {give}")
-    if state["world_size"] != world_size and not args.export_checkpoint:  # other prompts
+    if state["world_size"] != world_size and not args.export_checkpoint:  # another prompt stream
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
     return state
