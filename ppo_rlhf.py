@@ -46,7 +46,7 @@ import time
 import traceback
 import warnings
 from collections import defaultdict, deque
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from types import SimpleNamespace
@@ -1023,6 +1023,9 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     tokenizer = from_pretrained(AutoTokenizer, model_path if own_tokenizer else base_model,
                                 "model_name_or_path", args)
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base_model, policy_config)
+    for path in resume_candidates(args, output_dir)[:1]:  # resume()'s first, before any weights
+        with suppress(*DAMAGED):  # damaged: resume() skips it, or says why it cannot load it
+            check_checkpoint(path, args, stop_token_ids, int(os.environ.get("WORLD_SIZE", 1)))
     if not stop_token_ids and int(os.environ.get("RANK", 0)) == 0:
         say("note: no stop id (--stop_token, --stop_token_id, the tokenizer, generation_config): "
             f"every response runs to --response_length {args.response_length}")
@@ -1413,8 +1416,16 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     """-> texts, ids, chat messages, the rows' other fields, over-long counts."""
     split = args.dataset_train_split if flag == "dataset" else args.dataset_test_split
     rows, lines = read_prompts(dataset, split, flag)
-    texts, ids, messages = render_prompts([row.get("prompt", row.get("messages")) for row in rows], tokenizer, flag)
     where = lambda i: f"row {i + 1}" + (f" (line {lines[i]})" if lines else "")  # noqa: E731 (from 1, as files)
+    prompts = [row.get("prompt", row.get("messages")) for row in rows]
+    chat = lambda p: isinstance(p, list) and p and all(  # noqa: E731
+        isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
+        for m in p)
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) and not chat(p)]
+    if bad:  # else transformers' chat template fails on it, naming no row
+        fail(f"--{flag} {dataset!r}: {where(bad[0])} is not a text or a non-empty list of messages "
+             '{"role": str, "content": str}')
+    texts, ids, messages = render_prompts(prompts, tokenizer, flag)
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
     if [] in ids:
@@ -1699,6 +1710,7 @@ class Runtime:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CPUINFO = "/proc/cpuinfo"  # its flags name the CPU's bf16 and fp16 units (avx512_bf16, amx_fp16...)
 
 
 def start_processes(args):
@@ -1713,6 +1725,13 @@ def start_processes(args):
     torchrun = in_process_group()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
     low_dtype = None if args.dtype == "fp32" else DTYPES[args.dtype]
+    if device.type == "cpu" and low_dtype and rank == 0 and os.access(CPUINFO, os.R_OK):  # Linux
+        with open(CPUINFO) as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+        units = [f"avx512_{args.dtype}", f"amx_{args.dtype}"]
+        if flags and not set(units) & set(flags):
+            say(f"note: --dtype {args.dtype} runs slower than fp32 on this CPU (no "
+                f"{' or '.join(units)} in {CPUINFO}); choose it to match a GPU run's numbers")
     return Runtime(rank, world_size, device, torchrun, torchrun and args.distributed == "fsdp", low_dtype,
                    args.offload_frozen_models)
 
@@ -1988,7 +2007,8 @@ def import_peft(flag):
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
     save_every save_total_limit resume export_checkpoint distributed shard_frozen_models offload_frozen_models
     rollout_unshard dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
-CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (load_checkpoint), but 3 is still exported
+CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
+DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
 
 
@@ -2098,31 +2118,39 @@ def trained_state(model, optimizer, args):
     return {"model": weights, "optimizer": optimizer_state}
 
 
-def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models, progress):
-    """Restore checkpoint() on every rank (weights_only: runs no code). -> (update, progress)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+def check_checkpoint(path, args, stop_token_ids, world_size):
+    """state.pt (small; weights_only: runs no code) against this run, before weights load. -> it."""
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     found = state.get("format")
     exportable = found == 3 and args.export_checkpoint  # 3: the weights as 4's, replay in state.pt
-    if found != CHECKPOINT_FORMAT and not exportable:
-        how = "start a new run"
-        if found == 3:  # its weights can be read
-            how = ("export it (--export_checkpoint --resume FOLDER) and start a new run from the "
-                   "exported policy")
+    export = ("export it (--export_checkpoint --resume FOLDER) and start a new run from the "
+              "exported policy")
+    if found != CHECKPOINT_FORMAT and not exportable:  # 3: its weights can be read
         fail(f"--resume {path!r} was written by another version of ppo_rlhf.py (checkpoint format "
-             f"{found}, this one reads {CHECKPOINT_FORMAT}); {how}")
-    changed = [k for k, v in asdict(args).items() if state["config"].get(k) != v
-               and k not in RUN_ONLY_FIELDS | {"stop_token", "stop_token_id"}]  # stop ids: below
-    if changed:
-        fail(f"--resume {path!r} was written with other values of --{', --'.join(changed)}")
+             f"{found}, this one reads {CHECKPOINT_FORMAT}); "
+             + (export if found == 3 else "start a new run"))
+    stored = state["config"]
+    changed = [f"--{k} ({stored.get(k)} → {v})" for k, v in asdict(args).items()
+               if stored.get(k) != v and k not in RUN_ONLY_FIELDS | {"stop_token", "stop_token_id"}]
+    if changed:  # stop ids: below
+        fail(f"--resume {path!r} was written with other values of {', '.join(changed)}; resume "
+             f"with the stored values, or {export}")
     then = state["stop_token_ids"]
-    if then != models.stop_token_ids:  # however the flags or generation_config name them
-        fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {models.stop_token_ids}: give "
-             + (f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"))
-    if state["world_size"] != rt.world_size and not args.export_checkpoint:  # the prompt stream depends on it
+    if then != stop_token_ids:  # however the flags or generation_config name them
+        give = f"--stop_token_id {' '.join(map(str, then))}" if then else "--stop_token None"
+        fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {stop_token_ids}: "
+             f"give {give}")
+    if state["world_size"] != world_size and not args.export_checkpoint:  # another prompt stream
         fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
              "(torchrun --nproc_per_node)")
+    return state
+
+
+def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models, progress):
+    """Restore checkpoint() on every rank, checked first. -> (update, progress)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    state = check_checkpoint(path, args, models.stop_token_ids, rt.world_size)
     progress = {key: state[key] for key in progress if key != "replay"}
     if args.replay_rounds and not args.export_checkpoint:  # this rank's buffer (an export: none)
         file = f"replay-rank{rt.rank}.pt"
@@ -2160,8 +2188,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     logs = [os.path.join(output_dir, f) for f in ("metrics.jsonl", "samples.jsonl") if rt.rank == 0]
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
-    candidates = all_ranks_objects((list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else [])
-                                   if args.resume == "auto" else [args.resume])[0]
+    candidates = all_ranks_objects(resume_candidates(args, output_dir))[0]
     start_update = 0
     for path in candidates:
         try:
@@ -2169,7 +2196,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
                                                      args, rt, models, progress)
             log.print(f"resumed from {path} after update {start_update}")
             break
-        except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
+        except (*DAMAGED, CheckpointException) as e:
             reason = str(e).strip().splitlines()[0]
             if path == candidates[-1]:  # the one named, or the oldest
                 fail(f"--resume {path!r} cannot be loaded: {reason}")
@@ -2180,8 +2207,10 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
             os.replace(path, path + stale)
         log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed run): set aside as "
                   f"metrics.jsonl{stale}, starting over at update 1")
-    elif not candidates:
-        log.print(f"--resume auto: no checkpoint in {output_dir}, nothing to resume: starting at update 1")
+    elif not candidates:  # absolute paths: a requeued job started in another folder looks elsewhere
+        looked = args.output_dir or os.path.join("runs", f"{args.exp_name}__{args.seed}__*")
+        log.print(f"--resume auto: no checkpoint in {os.path.abspath(looked)}, nothing to resume: "
+                  f"starting {os.path.abspath(output_dir)} at update 1")
     if len(set(all_ranks_objects(start_update))) > 1:
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
              "is --output_dir on a filesystem every node sees?")
@@ -2190,6 +2219,13 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
             g.writelines(ln for ln in f if ln.strip() and json.loads(ln)["update"] <= start_update)
         os.replace(path + ".tmp", path)
     return start_update, progress
+
+
+def resume_candidates(args, output_dir):
+    """The checkpoints --resume names, in the order resume() tries them: with auto, newest first."""
+    if args.resume != "auto":
+        return [args.resume] if args.resume else []
+    return list_checkpoints(output_dir)[::-1] if os.path.isdir(output_dir) else []
 
 
 def run_folder(args, rt):
@@ -2246,8 +2282,12 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
     if rt.torchrun:
         dist.barrier()  # wait for the write here
     if stop:  # how to go on
-        log.print(f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
-                  "--resume auto")
+        line = (f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
+                "--resume auto")
+        log.print(line)
+    if stop and rt.rank == 0:  # in the run folder too: a `| tee` dies with the Ctrl-C
+        with open(os.path.join(output_dir, "stopped.txt"), "w") as f:
+            f.write(f"stopped by a signal after update {update}\n{line}\n")
     return stop
 
 
@@ -2259,7 +2299,8 @@ def request_stop(signum, frame):
         return
     STOP_SIGNALS.append((signum, time.monotonic()))
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the signal; one notice
-        say(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint", file=sys.stderr)
+        say(f"\n{signal.Signals(signum).name}: finishing this update, then saving a checkpoint (a "
+            "second Ctrl-C stops at once, losing this update)", file=sys.stderr)
 
 
 # ------------------------------------- logging and metrics (systems: a first reading may skip this)
@@ -2442,13 +2483,18 @@ class Logger:
         if args.eval_dataset == "auto":  # say what auto chose
             evaluated += " (--eval_dataset auto: " + ("the built-in task's held-out sums)" if inputs.eval_prompts else
                                                        "none for one's own --dataset)")
-        self.print(f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
-                   f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
-                   f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
-                   f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, stop ids "
-                   f"{models.stop_token_ids or 'none'}, output {output_dir}; {models.value_source}"
-                   f"{' with a new score head' if getattr(models.value_model, 'new_head', False) else ''}"
-                   f"{lora}")
+        head = " with a new score head" if getattr(models.value_model, "new_head", False) else ""
+        start = (f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
+                 f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
+                 f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
+                 f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, "
+                 f"stop ids {models.stop_token_ids or 'none'}, output {output_dir}; "
+                 f"{models.value_source}{head}{lora}")
+        if args.export_checkpoint:  # no update runs: what it writes, not the training sizes
+            names = " and ".join(models.source_dtypes).replace("_", " ")
+            start = (f"ppo_rlhf: exporting {args.resume}: {names}, --save_dtype {args.save_dtype}, "
+                     f"to {output_dir}")
+        self.print(start)
         self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)
         self.window, self.quiet_until = deque(maxlen=args.health_window), {}  # {hint: update}
         value = models.value_model is not None  # the columns a run has, as formats of its metrics

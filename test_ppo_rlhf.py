@@ -1270,6 +1270,19 @@ def test_trls_prompt_of_messages_rows_are_chat_rows_as_messages_rows_are(tiny, t
                                   "policy's tokenizer has no chat template")
 
 
+@pytest.mark.parametrize("messages", [[], ["hi"], [{"role": "user"}],
+                                      [{"role": "user", "content": 3}]])
+def test_a_chat_row_not_a_list_of_role_and_content_strings_is_one_line_naming_its_row(
+        tiny, tmp_path, messages):
+    path = tmp_path / "chat.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "w1 w2"}]})
+    path.write_text(f"{good}\n\n{json.dumps({'messages': messages})}\n{good}\n")
+    with pytest.raises(SystemExit) as exc:
+        P.load_prompts(str(path), P.Args(), AutoTokenizer.from_pretrained(tiny["chat"]), None)
+    assert str(exc.value) == (f"error: --dataset {str(path)!r}: row 2 (line 3) is not a text or a "
+                              'non-empty list of messages {"role": str, "content": str}')
+
+
 # ----------------------------------------------------------------------------------------------------------- end to end
 def check_run(output_dir, initial_path, metrics, value_init=None):
     assert metrics and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
@@ -1697,6 +1710,29 @@ def test_end_to_end_mixed_precision_and_checkpointing(tiny, tmp_path, monkeypatc
     check_run(args.output_dir, tiny["gpt2"], metrics, value_init=tiny["gpt2_rm"])
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy"))
     assert next(policy.parameters()).dtype == torch.float32  # fp32 master weights
+
+
+def test_low_precision_on_a_cpu_without_its_units_gets_one_note_at_the_start(tmp_path, monkeypatch,
+                                                                              capsys):
+    """bf16 autocast on a CPU whose flags lack avx512_bf16 and amx_bf16 (fp16: avx512_fp16,
+    amx_fp16) is slower than fp32: one note on stdout; none with the units, under fp32, or where
+    /proc/cpuinfo cannot be read."""
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(P, "CPUINFO", str(cpuinfo))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the run's device is the CPU
+    cases = [("fpu sse2 avx512f", "bf16", True), ("fpu avx512_bf16", "bf16", False),
+             ("fpu amx_bf16", "bf16", False), ("fpu avx512_bf16", "fp16", True),
+             ("fpu amx_fp16", "fp16", False), ("fpu", "fp32", False), (None, "bf16", False)]
+    for flags, dtype, noted in cases:
+        if flags:
+            cpu = f"processor\t: 0\nflags\t\t: {flags}\n\n"
+            cpuinfo.write_text(cpu + cpu.replace(": 0", ": 1"))
+        else:  # unreadable
+            cpuinfo.unlink()
+        P.start_processes(P.Args(dtype=dtype))
+        note = (f"note: --dtype {dtype} runs slower than fp32 on this CPU (no avx512_{dtype} or "
+                f"amx_{dtype} in {cpuinfo}); choose it to match a GPU run's numbers\n")
+        assert capsys.readouterr().out == (note if noted else ""), (flags, dtype)
 
 
 def test_an_fp16_checkpoint_trains_under_fp16_and_a_bf16_one_gets_a_warning(tiny, tmp_path, capsys):
@@ -3110,7 +3146,9 @@ def test_a_run_stopped_in_its_default_folder_resumes_with_resume_auto_alone(tiny
     out, err = process.communicate(timeout=300)
     folder = os.path.relpath(glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*"))[0], tmp_path)
     assert process.returncode == 0 and f"--output_dir {folder} --resume auto" in out.splitlines()[-1], err
-    assert err.strip().splitlines()[-1] == "SIGINT: finishing this update, then saving a checkpoint"
+    notice = ("SIGINT: finishing this update, then saving a checkpoint (a second Ctrl-C stops at "
+              "once, losing this update)")
+    assert err.strip().splitlines()[-1] == notice
     resumed = cli_run(tiny, None, "--resume", "auto", cwd=tmp_path)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0 and f"output {folder}" in out.splitlines()[0] and "resumed from" in out, err
@@ -3119,12 +3157,25 @@ def test_a_run_stopped_in_its_default_folder_resumes_with_resume_auto_alone(tiny
     assert [DETERMINISTIC_KEYS(m) for m in a] == [DETERMINISTIC_KEYS(m) for m in b]
 
 
-def test_resume_auto_with_nothing_to_resume_says_so_and_starts(tiny, tmp_path, monkeypatch, capsys):
+def test_resume_auto_with_nothing_to_resume_says_where_it_looked_starts_then_resumes(
+        tiny, tmp_path, monkeypatch, capsys):
+    """A requeue script's one command, --resume auto, on its first launch (no runs/ yet) starts a
+    run, naming the runs/ it searched and the folder it starts as absolute paths (a job started in
+    another folder looks elsewhere); stopped after update 1, the same command resumes it, and once
+    more finds it complete."""
     monkeypatch.chdir(tmp_path)
-    P.main(run_args(tiny, tmp_path, output_dir=None, resume="auto", total_episodes=8))
-    out = capsys.readouterr().out
-    assert re.search(r"--resume auto: no checkpoint in runs/ppo_rlhf__1__\d+, nothing to resume", out)
-    assert len(read_metrics(glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*"))[0])) == 1
+    args = run_args(tiny, tmp_path, output_dir=None, resume="auto", save_every=0)
+    stop = [(signal.SIGTERM, time.monotonic())]
+    monkeypatch.setattr(P, "STOP_SIGNALS", stop)  # stops after update 1
+    P.main(args)
+    folder = glob.glob(str(tmp_path / "runs" / "ppo_rlhf__1__*"))[0]
+    assert (f"--resume auto: no checkpoint in {tmp_path}/runs/ppo_rlhf__1__*, nothing to resume: "
+            f"starting {folder} at update 1") in capsys.readouterr().out
+    monkeypatch.setattr(P, "STOP_SIGNALS", [])
+    P.main(args)
+    assert "resumed from runs/ppo_rlhf__1__" in capsys.readouterr().out
+    assert [m["update"] for m in read_metrics(folder)] == [1, 2]
+    assert P.main(args) is None and "holds a complete run of 2 updates" in capsys.readouterr().out
 
 
 def test_resume_auto_alone_takes_the_newest_run_folder_that_has_a_checkpoint(tmp_path, monkeypatch):
@@ -3144,6 +3195,23 @@ def test_only_rank_0_prints_the_stop_notice(monkeypatch, capsys):
         monkeypatch.setenv("RANK", rank)
         P.request_stop(signal.SIGINT, None)
         assert ("SIGINT: finishing this update" in capsys.readouterr().err) == printed and P.STOP_SIGNALS
+
+
+def test_a_stopped_run_keeps_how_to_go_on_in_its_folder_and_warns_of_a_second_ctrl_c(
+        tiny, tmp_path, monkeypatch, capsys):
+    """`... 2>&1 | tee log` dies with the Ctrl-C, and with it the lines saying how to go on:
+    stopped.txt in the run folder keeps them. The notice says what a second Ctrl-C costs."""
+    monkeypatch.setattr(P, "STOP_SIGNALS", [])
+    P.request_stop(signal.SIGINT, None)  # Ctrl-C during update 1
+    assert capsys.readouterr().err == ("\nSIGINT: finishing this update, then saving a checkpoint "
+                                       "(a second Ctrl-C stops at once, losing this update)\n")
+    args = run_args(tiny, tmp_path, save_every=0)
+    P.main(args)
+    how = (f"saved {args.output_dir}/checkpoint-000001; continue with the same flags plus: "
+           f"--output_dir {args.output_dir} --resume auto")
+    assert capsys.readouterr().out.splitlines()[-1] == how
+    with open(os.path.join(args.output_dir, "stopped.txt")) as f:
+        assert f.read() == f"stopped by a signal after update 1\n{how}\n"
 
 
 def test_a_signal_delivered_twice_is_one_stop_request_but_a_later_one_exits(monkeypatch):
@@ -3286,6 +3354,43 @@ def test_every_run_only_field_is_a_field_and_run_only_flags_may_change_on_resume
     torch.save(state, os.path.join(first, "state.pt"))
     P.main(dataclasses.replace(args, resume=first, num_sample_generations=3, save_total_limit=5, exp_name="other"))
     assert [m["update"] for m in read_metrics(args.output_dir)] == [1, 2, 3]
+
+
+def test_the_checkpoint_to_resume_is_checked_before_any_model_loads(tiny, tmp_path):
+    """A checkpoint of other flags is refused in one line naming stored -> given values before any
+    weights load: here the policy's weights are gone, so loading them would fail first with another
+    error. With --resume auto the checkpoint it finds is checked so too."""
+    policy = str(tmp_path / "policy")
+    shutil.copytree(tiny["gpt2"], policy)
+    args = run_args(tiny, tmp_path, model_name_or_path=policy, total_episodes=8, save_every=1)
+    P.main(args)
+    for weights in glob.glob(os.path.join(policy, "*.safetensors")):
+        os.remove(weights)
+    os.remove(os.path.join(args.output_dir, "complete.json"))  # as if stopped: auto would resume it
+    checkpoint = os.path.join(args.output_dir, "checkpoint-000001")
+    for resume in (checkpoint, "auto"):
+        with pytest.raises(SystemExit) as exc:
+            P.main(dataclasses.replace(args, resume=resume, learning_rate=2e-3, kl_coef=0.1))
+        assert str(exc.value) == (
+            f"error: --resume {checkpoint!r} was written with other values of --kl_coef "
+            "(0.05 → 0.1), --learning_rate (0.001 → 0.002); resume with the stored values, or "
+            "export it (--export_checkpoint --resume FOLDER) and start a new run from the exported "
+            "policy")
+
+
+def test_an_export_says_what_it_exports_not_the_training_sizes(tiny, tmp_path, capsys):
+    args = run_args(tiny, tmp_path, total_episodes=8, save_every=1)
+    P.main(args)
+    checkpoint = os.path.join(args.output_dir, "checkpoint-000001")
+    exported = str(tmp_path / "exported")
+    capsys.readouterr()
+    P.main(dataclasses.replace(args, resume=checkpoint, export_checkpoint=True,
+                               output_dir=exported))
+    out = capsys.readouterr().out
+    assert "updates of" not in out and out.splitlines()[0] == (
+        f"ppo_rlhf: exporting {checkpoint}: policy and value model, --save_dtype fp32, to "
+        f"{exported}")
+    assert out.splitlines()[-1] == f"saved policy and value model (fp32) to {exported}"
 
 
 def test_the_non_finite_streak_survives_a_resume(tiny, tmp_path, capsys):
