@@ -382,11 +382,14 @@ def response_mean(x, mask):
 
 
 # What the rest of the file knows of each policy loss (its branch: policy_loss): --loss_agg when
-# unset, the ratio levels it takes, whether the ratio hint reads it (a clip band of PPO's ε).
-POLICY_LOSSES = {"clip": dict(loss_agg="token_mean", levels=("token", "sequence"), ratio_hint=True),
-                 "cispo": dict(loss_agg="token_mean", levels=("token",), ratio_hint=False),
+# unset, the ratio levels it takes, whether the ratio hint reads it (a clip band of PPO's ε), the
+# name of its `clipped` share on the update line (None: it has none).
+POLICY_LOSSES = {"clip": dict(loss_agg="token_mean", levels=("token", "sequence"), ratio_hint=True,
+                              column="clipfrac"),
+                 "cispo": dict(loss_agg="token_mean", levels=("token",), ratio_hint=False,
+                               column="capped"),
                  "sapo": dict(loss_agg="seq_mean_token_mean", levels=("token", "sequence"),
-                              ratio_hint=False)}
+                              ratio_hint=False, column=None)}
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, args):
@@ -2452,6 +2455,24 @@ def health_hints(window, args, has_stop_token):
     return hints
 
 
+def changed_flags(args):
+    """The algorithmic flags (not RUN_ONLY_FIELDS) whose resolved value is not the resolved default,
+    as a command line: `--a v --b w` (lists space-separated, booleans --x / --no-x)."""
+    default = Args()
+    check_args(default)  # resolves as args were: --kl_estimator, --loss_agg
+    words = []
+    for field in fields(args):
+        value = getattr(args, field.name)
+        if field.name in RUN_ONLY_FIELDS or value == getattr(default, field.name):
+            continue
+        if isinstance(value, bool):
+            words.append(f"--{'' if value else 'no-'}{field.name}")
+        else:
+            values = value if isinstance(value, list) else [value]
+            words.append(" ".join([f"--{field.name}", *map(str, values)]))
+    return " ".join(words) or "(the defaults)"
+
+
 def described(prompts):
     """'N prompts', with how many over-long ones --overlong_prompts filtered or truncated."""
     cut = [f"{n} over-long {how}" for n, how in ((prompts.filtered, "filtered"), (prompts.truncated, "truncated")) if n]
@@ -2495,13 +2516,21 @@ class Logger:
             start = (f"ppo_rlhf: exporting {args.resume}: {names}, --save_dtype {args.save_dtype}, "
                      f"to {output_dir}")
         self.print(start)
+        if not args.export_checkpoint:  # the command that reproduces the run's algorithm
+            self.print(f"flags: {changed_flags(args)}")
         self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)
         self.window, self.quiet_until = deque(maxlen=args.health_window), {}  # {hint: update}
         value = models.value_model is not None  # the columns a run has, as formats of its metrics
+        clipped = POLICY_LOSSES[args.policy_loss]["column"]  # its `clipped` share, if it has one
+        sequence = "seq " if args.importance_sampling_level == "sequence" else ""
         columns = {"success {objective/success_rate:4.0%}": models.builtin_reward,
                    "score {objective/scores:.3f}": True,
                    "kl {objective/kl:.3f}": models.ref_policy is not None,
-                   "approxkl {policy/approxkl_avg:.4f}  clipfrac {policy/clipfrac_avg:.3f}": True,
+                   "approxkl {policy/approxkl_avg:.4f}": True,
+                   f"{sequence}{clipped} {{policy/clipfrac_avg:.3f}}": clipped is not None,
+                   "masked {policy/off_policy_masked_frac:.3f}":
+                       args.off_policy_mask_threshold is not None,
+                   "filtered {objective/frac_reward_zero_std:.2f}": args.filter_zero_std_groups,
                    "vloss {loss/value_avg:.4f}  ev {val/explained_variance:.2f}": value,
                    "len {val/mean_response_length:.1f}": True,
                    "rm_spread {objective/rm_spread:.3f}": len(models.reward_models) > 1}

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -2782,7 +2783,7 @@ def test_the_default_run_is_quiet_and_learns_the_held_out_sums(tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("ppo_rlhf: 400 updates") and lines[0].endswith("value model from the policy with a "
                                                                              "new score head")
-    assert lines[1].startswith("update 1/400 ")
+    assert lines[1] == "flags: (the defaults)" and lines[2].startswith("update 1/400 ")
     metrics = read_metrics(out)
     assert max(m["objective/success_rate"] for m in metrics[:10]) < 0.1 < 0.8 < metrics[-1]["objective/success_rate"]
     held_out = [line for line in lines if line.startswith("  eval success ")]
@@ -2881,6 +2882,36 @@ def test_gspo_at_its_papers_clip_gets_no_ratio_hint(tiny, tmp_path, capsys):
     outside = [m["policy/ratio_outside_clip_avg"] for m in read_metrics(args.output_dir)]
     assert max(outside) > 0.5, outside
     assert "hint:" not in capsys.readouterr().err
+
+
+LOSS_COLUMNS = {"clip": (dict(), "  clipfrac "), "cispo": (dict(policy_loss="cispo"), "  capped "),
+                "sapo": (dict(policy_loss="sapo"), None),
+                "gspo": (dict(importance_sampling_level="sequence", cliprange=3e-4, filter_zero_std_groups=True,
+                              off_policy_mask_threshold=0.1), "  seq clipfrac ")}
+
+
+@pytest.mark.parametrize("loss", LOSS_COLUMNS)
+def test_the_start_names_the_flags_and_the_update_line_each_losss_columns(tiny, tmp_path, capsys, loss):
+    """A second start line lists the algorithmic flags whose resolved value is not the resolved
+    default, as a command that reproduces the run (parsed back: the same algorithmic fields); the
+    update line names the clipped share as the loss has it (clip clipfrac, GSPO seq clipfrac, cispo
+    capped, sapo none) and the masked and filtered shares when those switches are on."""
+    flags, column = LOSS_COLUMNS[loss]
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
+                    advantage_estimator="grpo", num_generations=2, total_episodes=8, **flags)
+    P.main(args)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("flags: --model_name_or_path ")
+    parsed = tyro.cli(P.Args, args=shlex.split(out[1].removeprefix("flags: ")))
+    P.check_args(parsed)
+    algorithmic = lambda a: {k: v for k, v in dataclasses.asdict(a).items()  # noqa: E731
+                             if k not in P.RUN_ONLY_FIELDS}
+    assert algorithmic(parsed) == algorithmic(args)
+    update = next(line for line in out if line.startswith("update 1/1 "))
+    for label in ("  clipfrac ", "  seq clipfrac ", "  capped "):
+        assert (label in update) == (label == column), (label, update)
+    for label in ("  masked ", "  filtered "):
+        assert (label in update) == (loss == "gspo"), (label, update)
 
 
 def test_an_existing_run_is_never_overwritten(tiny, tmp_path):
