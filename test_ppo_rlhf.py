@@ -779,7 +779,8 @@ def test_every_value_of_a_switch_has_its_row_and_a_branch_of_its_own(flag):
                     lambda: P.rollout_weights(x, x, mask, "token_" + new, 2.0),
                     lambda: P.baselined_scores(x[0], torch.ones(3), 3, new),
                     lambda: P.policy_loss(x, x, x, mask, P.Args(policy_loss=new)),
-                    lambda: P.advantages_and_returns(x[:, 0], x, 0.1, x, mask, mask, P.Args(kl_in=new))):
+                    lambda: P.advantages_and_returns(x[:, 0], x, 0.1, x, mask, mask,
+                                                     P.Args(kl_in=new))):
         with pytest.raises(ValueError, match="no branch for"):
             unknown()
     for flag in ("advantage_estimator", "policy_loss"):
@@ -2886,12 +2887,14 @@ def test_gspo_at_its_papers_clip_gets_no_ratio_hint(tiny, tmp_path, capsys):
 
 LOSS_COLUMNS = {"clip": (dict(), "  clipfrac "), "cispo": (dict(policy_loss="cispo"), "  capped "),
                 "sapo": (dict(policy_loss="sapo"), None),
-                "gspo": (dict(importance_sampling_level="sequence", cliprange=3e-4, filter_zero_std_groups=True,
-                              off_policy_mask_threshold=0.1), "  seq clipfrac ")}
+                "gspo": (dict(importance_sampling_level="sequence", cliprange=3e-4,
+                              filter_zero_std_groups=True, off_policy_mask_threshold=0.1),
+                         "  seq clipfrac ")}
 
 
 @pytest.mark.parametrize("loss", LOSS_COLUMNS)
-def test_the_start_names_the_flags_and_the_update_line_each_losss_columns(tiny, tmp_path, capsys, loss):
+def test_the_start_names_the_flags_and_the_update_line_each_losss_columns(tiny, tmp_path, capsys,
+                                                                         loss):
     """A second start line lists the algorithmic flags whose resolved value is not the resolved
     default, as a command that reproduces the run (parsed back: the same algorithmic fields); the
     update line names the clipped share as the loss has it (clip clipfrac, GSPO seq clipfrac, cispo
