@@ -347,6 +347,32 @@ def baselined_scores(scores, lengths, num_generations, advantage_estimator):
     raise ValueError(f"baselined_scores: no branch for --advantage_estimator {advantage_estimator}")
 
 
+def baseline_rows(scored, num_generations, advantage_estimator):
+    """Rows that keep a baseline: the scored ones (B,), in a group of 2 or more scored rows where
+    the estimator is grouped (ESTIMATORS); the others leave the loss."""
+    if not ESTIMATORS[advantage_estimator]["grouped"]:
+        return scored
+    groups = scored.view(-1, num_generations)  # (B/k, k)
+    return (groups & (groups.sum(1, keepdim=True) >= 2)).flatten()
+
+
+def scored_baselines(scores, scored, lengths, num_generations, advantage_estimator):
+    """baselined_scores with the rows no reward source scored left out of their group's baseline
+    and std (as TRL): a group's scored rows are baselined alone; rows without a baseline (
+    baseline_rows) get 0. A group with no unscored row: baselined_scores' own operations. (B,)."""
+    baselined = baselined_scores(scores, lengths, num_generations, advantage_estimator)
+    kept = baseline_rows(scored, num_generations, advantage_estimator)
+    k = num_generations
+    for g in (~kept).view(-1, k).any(1).nonzero().flatten().tolist():  # a group that lost rows
+        rows = torch.arange(g * k, g * k + k, device=scores.device)
+        baselined[rows] = 0.0
+        rows = rows[kept[rows]]
+        if len(rows):
+            baselined[rows] = baselined_scores(scores[rows], lengths[rows], len(rows),
+                                               advantage_estimator)
+    return baselined
+
+
 def equal_score_groups(scores, num_generations):
     """Groups (k consecutive rows) whose scores all equal, so A = 0 for all: (B,) -> (B/k,). Not
     std == 0: float32's std of eight 0.1 is 8e-9."""
@@ -596,7 +622,8 @@ def response_chunks(batch, chunk):
 
 def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
     """Phase 2: no-grad forwards of the frozen models -> ref_logprobs, values (B, R), completions,
-    source_scores (B, S; NaN: None), raw_scores Σ w·s (B,); logprobs: log π_old as training computes
+    source_scores (B, S; NaN: None), raw_scores Σ w·s (B,; 0 where scored, (B,), is False: no source
+    scored it, every function gave None); logprobs: log π_old as training computes
     it (bf16/fp16: recomputed; fp32: μ), sampler_logprobs μ. scores_only: reward sources only."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
     sampler_logprobs = batch["logprobs"]  # μ (B, R), also log π_old unless bf16/fp16 recompute it below
@@ -627,16 +654,17 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
     source_scores = text_scores(models, rm_scores, prompts, rows, completions, responses, trainer_state, chunk, rt)
     return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
                 values=values.masked_fill(~mask, 0.0), completions=completions, source_scores=source_scores,
-                raw_scores=(source_scores * models.reward_weights).nansum(1), sampler_logprobs=sampler_logprobs)
+                raw_scores=(source_scores * models.reward_weights).nansum(1),
+                sampler_logprobs=sampler_logprobs, scored=~source_scores.isnan().all(1))
 
 
 # ----------------------------------------------------------------------------------- the PPO update
-def advantages_and_returns(scores, kl, kl_coef, values, mask, loss_mask, args):
+def advantages_and_returns(scores, scored, kl, kl_coef, values, mask, loss_mask, args):
     """Phase 4, where every advantage-level term lives (replay_batch calls it on stored rows): the
     KL penalty p_t = −β·KL_t where --kl_in puts it; r_t = p_t, plus the score minus its group's
-    baseline on the last real token; A_t, R_t = A_t + V_t by GAE (value-free: V = 0, λ = 1, the
-    reward-to-go), whitened with the global statistics of the tokens in the loss where the estimator
-    is. (B,), (B, R) -> p, r, A, R (B, R); β a float or (B, 1)."""
+    baseline (over its scored rows) on the last real token; A_t, R_t = A_t + V_t by GAE (value-
+    free: V = 0, λ = 1, the reward-to-go), whitened with the global statistics of the tokens in the
+    loss where the estimator is. (B,), (B, R) -> p, r, A, R (B, R); β a float or (B, 1)."""
     if args.kl_in == "reward":
         penalties = torch.where(mask, -kl_coef * kl, 0.0)
     elif args.kl_in == "loss":  # ppo_loss's term, with a gradient through π_θ
@@ -644,7 +672,8 @@ def advantages_and_returns(scores, kl, kl_coef, values, mask, loss_mask, args):
     else:
         raise ValueError(f"advantages_and_returns: no branch for --kl_in {args.kl_in!r}")
     lengths = mask.sum(-1)
-    baselined = baselined_scores(scores, lengths, args.num_generations, args.advantage_estimator)
+    baselined = scored_baselines(scores, scored, lengths, args.num_generations,
+                                 args.advantage_estimator)
     rewards = per_token_rewards(baselined, penalties, mask)  # (B, R)
     if args.whiten_rewards:  # over all ranks, mean kept
         rewards = masked_whiten(rewards, mask, *global_mean_var(rewards, mask), shift_mean=False)
@@ -791,12 +820,13 @@ def main(args: Args):
 
         # 2. score: log π_ref and V(s_t) of every response token, and the score of each response
         batch.update(score(models, batch, prompts, rows, args, rt, trainer_state(update, sizes, args, prompts)))
-        scores = batch["raw_scores"]  # (B,)
+        scored = warn_unscored(batch["scored"], prompts, rows, models, update)  # (B,)
+        scores = batch["raw_scores"]  # (B,); 0 where no source scored
         if args.missing_eos_penalty is not None:  # responses without a stop id
             scores = scores - args.missing_eos_penalty * batch["truncated"].float()
         std = 1.0
         if args.score_scaling == "running_std":  # moments of the global batch (all ranks)
-            mean, var = global_mean_var(scores, torch.ones_like(scores, dtype=torch.bool))
+            mean, var = global_mean_var(scores, scored)
             progress["score_moments"], std = running_moments(progress["score_moments"], mean.item(), var.item(),
                                                              sizes.batch_size)
         scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # as the flags say
@@ -811,12 +841,15 @@ def main(args: Args):
         # 4. rewards and advantages: r_t = −β·KL_t (unless the KL is a loss term), plus the score
         # (minus its group's baseline, value-free) on the last real token; GAE, whitened over the
         # tokens in the loss (value-free: the reward-to-go)
-        loss_mask = mask & ~batch["truncated"][:, None] if args.mask_truncated_completions else mask
+        baselined = baseline_rows(scored, args.num_generations, args.advantage_estimator)  # (B,)
+        loss_mask = mask & baselined[:, None]  # a row no reward source scored: out
+        if args.mask_truncated_completions:
+            loss_mask = loss_mask & ~batch["truncated"][:, None]
         if args.filter_zero_std_groups:  # a group of equal scores has A = 0, yet it dilutes the mean
             equal = equal_score_groups(scores, args.num_generations)
             loss_mask = loss_mask & ~equal.repeat_interleave(args.num_generations)[:, None]
         penalties, rewards, advantages, returns = advantages_and_returns(
-            scores, kl, kl_coef, batch["values"], mask, loss_mask, args)
+            scores, scored, kl, kl_coef, batch["values"], mask, loss_mask, args)
         batch.update(scores=scores, kl=kl, penalties=penalties, rewards=rewards,
                      advantages=advantages, returns=returns, kl_coef=kl_coef, loss_mask=loss_mask)
 
@@ -1189,10 +1222,16 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
         metrics["eval/success_rate"] = scores == 1
     if num_rms > 1:  # as objective/rm_spread
         metrics["eval/rm_spread"] = reward_model_spread(scored["source_scores"], num_rms)
-    totals = all_ranks_sum(torch.stack([(v * real).sum().double() for v in metrics.values()]))
-    samples = [dict(update=update + 1, prompt=prompts.texts[i], completion=c, score=s)
-               for i, c, s in zip(slots, scored["completions"], scores.tolist()) if i < n]
-    return dict(zip(metrics, (totals / n).tolist())), samples
+    counted = real & scored["scored"]  # eval/score: over the rows a source scored
+    totals = all_ranks_sum(torch.stack([(v * real).sum().double() for v in metrics.values()]
+                                       + [counted.sum().double()]))
+    means = dict(zip(metrics, (totals[:-1] / n).tolist()))
+    means["eval/score"] = (totals[0] / totals[-1]).nan_to_num().item()
+    samples = [dict(update=update + 1, prompt=prompts.texts[i], completion=c,
+                    score=s if ok else None)  # None: no source scored it
+               for i, c, s, ok in zip(slots, scored["completions"], scores.tolist(),
+                                      scored["scored"].tolist()) if i < n]
+    return means, samples
 
 
 def exact_kl(models, batch, args, rt):
@@ -1220,7 +1259,7 @@ def exact_kl(models, batch, args, rt):
 # scores and KL_t, its β. Per rank N·B·(9·P + 23·R) bytes for N batches of B rows of P + R tokens
 # (ids int64, masks bool, 3 float32 rows): no logits.
 REPLAY_KEYS = ("query_responses", "attention_mask", "response_mask", "loss_mask", "lengths", "logprobs",
-               "ref_logprobs", "scores", "kl")
+               "ref_logprobs", "scores", "scored", "kl")
 
 
 def replay_batch(progress, batch, update, models, args, rt):
@@ -1248,8 +1287,8 @@ def replay_batch(progress, batch, update, models, args, rt):
     train.update(context_length=P, kl_coef=batch["kl_coef"], age=age)
     mask, age, prox, mu = train["response_mask"], age[:, None], train["prox"], train["logprobs"]
     _, _, train["advantages"], train["returns"] = advantages_and_returns(
-        train["scores"], train["kl"], betas[:, None], train["values"], mask, train["loss_mask"],
-        args)
+        train["scores"], train["scored"], train["kl"], betas[:, None], train["values"], mask,
+        train["loss_mask"], args)
     # how stale the rows are (k3: KL(μ‖π_prox); π_prox/μ before the cap, the share above it), each
     # Σ x·m / Σ m over all ranks (0 / 0: NaN)
     k3, weight, replayed = kl_estimate(mu, prox, "k3"), (prox - mu).exp(), mask & (age > 0)
@@ -1452,7 +1491,7 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     texts, ids, messages, rows = ([x[i] for i in kept] for x in (texts, ids, messages, rows))
     not_passed = "prompt completion completion_ids messages".split()  # TRL passes on the rest
     names = dict.fromkeys(k for row in rows for k in row if k not in not_passed)  # once each
-    return SimpleNamespace(texts=texts, ids=ids, messages=messages,
+    return SimpleNamespace(texts=texts, ids=ids, messages=messages, origins=list(map(where, kept)),
                            fields={name: [row.get(name) for row in rows] for name in names},
                            filtered=len(dropped), truncated=len(truncated))
 
@@ -1579,12 +1618,24 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
         except Exception as e:  # noqa: BLE001 (the user's code: one line, with where it was raised)
             fail(f"--reward_fn {spec} raised {one_line(e)}")
         columns.append(check_scores(out, len(rows), f"--reward_fn {spec}"))
-    scores = torch.column_stack([torch.zeros(len(rows), 0), *columns])  # (B, F), F = 0 too
-    unscored = scores.isnan().all(1).nonzero()  # all rows if no column
-    if len(unscored) and columns and not models.reward_models:
-        fail(f"--reward_fn {', '.join(spec for _, spec, _ in models.reward_fns)}: no source scored completion "
-             f"{unscored[0, 0].item()} (None from every function)")
-    return scores
+    return torch.column_stack([torch.zeros(len(rows), 0), *columns])  # (B, F), F = 0 too
+
+
+def warn_unscored(scored, prompts, rows, models, update):
+    """The rows no reward source scored (every function gave None), over all ranks: one warning
+    naming their --dataset rows, or a stop if no row has a score. -> scored (B,)."""
+    mine = [prompts.origins[rows[i]] for i in (~scored).nonzero().flatten().tolist()]
+    gathered = all_ranks_objects((mine, scored.any().item()))
+    missed = [origin for rank_missed, _ in gathered for origin in rank_missed]
+    functions = ", ".join(spec for _, spec, _ in models.reward_fns)
+    if not any(any_scored for _, any_scored in gathered):
+        fail(f"--reward_fn {functions}: no source scored any response of update {update + 1} (None "
+             "from every function)")
+    if missed and int(os.environ.get("RANK", 0)) == 0:
+        say(f"warning: update {update + 1}: no reward source scored {len(missed)} responses (None "
+            f"from --reward_fn {functions}), to --dataset {', '.join(dict.fromkeys(missed))}: "
+            "left out of their group's baseline and of the loss", file=sys.stderr)
+    return scored
 
 
 def check_scores(scores, n, source):
@@ -2371,13 +2422,15 @@ def explained_variance(residual_var, returns_var):
 def update_metrics(batch, trained, models, args, rt):
     """One update's metrics under TRL's names, over all ranks; token counts."""
     mask, kl, scores, returns = batch["response_mask"], batch["kl"], batch["scores"], batch["returns"]
+    scored = batch["scored"]  # scores: means over the rows a reward source scored (0 if none)
+    scored_mean = lambda x: x[scored].mean().nan_to_num()  # noqa: E731
     stats = dict(trained.stats)
     replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
     averaged = {"objective/entropy": (-batch["logprobs"]).sum(1).mean(),
                 "objective/non_score_reward": batch["penalties"].sum(1).mean(),  # as applied
-                "objective/rlhf_reward": (scores - batch["kl_coef"] * kl.sum(1)).mean(),  # its aim
-                "objective/scores": scores.mean(),
-                "objective/raw_scores": batch["raw_scores"].mean(),
+                "objective/rlhf_reward": scored_mean(scores - batch["kl_coef"] * kl.sum(1)),
+                "objective/scores": scored_mean(scores),
+                "objective/raw_scores": scored_mean(batch["raw_scores"]),
                 "val/mean_response_length": batch["lengths"].float().mean(),
                 "val/truncated_frac": batch["truncated"].float().mean(),
                 **{key: torch.stack(values).mean() for key, values in stats.items()},
@@ -2609,8 +2662,9 @@ class Logger:
             say(f"  eval {success}score {m['eval/score']:.3f}  kl {m.get('eval/kl', math.nan):.3f}"
                 f"  len {m['eval/response_length']:.1f}  {spread}"
                 f"(held-out, T = {self.args.eval_temperature:g})")
-            for s in samples[:3]:
-                say(f"    {s['prompt']!r} -> {s['completion']!r}  score {s['score']:.2f}")
+            for s in samples[:3]:  # None: no reward source scored it
+                score = "None" if s["score"] is None else f"{s['score']:.2f}"
+                say(f"    {s['prompt']!r} -> {s['completion']!r}  score {score}")
 
     def finish(self, message):
         self.print(message)

@@ -101,6 +101,13 @@ def none_for_all(completions, **kwargs):
     return [None] * len(completions)
 
 
+def none_where_ungradable(completions, answer, **kwargs):
+    """TRL's pattern: None where the gold answer cannot be checked (w3, w31: whole groups), and for
+    every other response to w5's prompts (part of a group); else the answer's count."""
+    return [None if a in ("w3", "w31") or (a == "w5" and i % 2 == 0) else float(c.split().count(a))
+            for i, (c, a) in enumerate(zip(completions, answer))]
+
+
 async def async_count_w1(completions, **kwargs):
     return count_w1(None, completions)
 
@@ -1549,6 +1556,46 @@ def test_a_none_score_leaves_its_source_out_and_async_functions_run(tiny, tmp_pa
     assert batch["source_scores"][0, 0].isnan() and read_metrics(args.output_dir)[0]["objective/raw_scores/fn0"] == 1
 
 
+def test_rows_no_source_scores_leave_their_group_and_the_loss_and_the_run_goes_on(
+        tiny, tmp_path, monkeypatch, capsys):
+    """GRPO k = 4 with a function that returns None for every response to some prompts (whole
+    groups) and for half the responses to others (part of a group): the run goes to its end; those
+    rows are out of the loss and out of their group's baseline and std (the rest of the group is
+    baselined alone); one warning line per update names their --dataset rows; the metrics are
+    means over the scored rows; a held-out None is null in samples.jsonl."""
+    calls = spy_on_updates(monkeypatch)
+    args = run_args(tiny, tmp_path, reward_model_path=None, dataset=tiny["answers"],
+                    reward_fn=[f"{__file__}:none_where_ungradable"], advantage_estimator="grpo",
+                    num_generations=4, total_episodes=80, eval_dataset=tiny["answers_eval"],
+                    num_sample_generations=2)
+    P.main(args)
+    metrics, warned = read_metrics(args.output_dir), capsys.readouterr().err.splitlines()
+    assert len(metrics) == 10 and all(math.isfinite(m["objective/scores"]) for m in metrics)
+    whole = part = 0
+    for update, ((batch, *_), m) in enumerate(zip(calls, metrics)):
+        scored, loss_mask, scores = batch["scored"], batch["loss_mask"], batch["scores"]
+        assert not loss_mask[~scored].any() and m["objective/scores"] == pytest.approx(
+            scores[scored].mean().item())
+        for g in range(len(scores) // 4):
+            group = slice(4 * g, 4 * g + 4)
+            n = scored[group].sum().item()
+            whole, part = whole + (n == 0), part + (0 < n < 4)
+            if n == 2:  # the scored half is baselined alone
+                rows = torch.arange(4 * g, 4 * g + 4)[scored[group]]
+                s = scores[rows]
+                last = batch["lengths"][rows] - 1
+                baselined = batch["rewards"][rows, last] - batch["penalties"][rows, last]
+                assert torch.allclose(baselined, (s - s.mean()) / (s.std() + 1e-4), atol=1e-5)
+                assert loss_mask[rows].any(1).all()
+        lines = [line for line in warned if line.startswith(f"warning: update {update + 1}: ")]
+        assert len(lines) == (not scored.all())
+        if lines:
+            assert "--dataset row " in lines[0] and "(line " in lines[0]
+    assert whole and part  # both kinds met
+    samples = read_lines(os.path.join(args.output_dir, "samples.jsonl"))
+    assert [s["score"] is None for s in samples[:3]] == [False, True, False]  # w30, w31, w32
+
+
 def test_a_reward_function_gets_the_columns_it_names_and_a_reward_model_covers_none_from_every_function(tiny):
     """A function that names a dataset column (no **kwargs) gets that column's values of its rows by keyword; where a
     reward model scores the rows, None from every function is no error (the reward model's score stands)."""
@@ -1566,9 +1613,6 @@ def test_a_reward_function_gets_the_columns_it_names_and_a_reward_model_covers_n
     scores = P.reward_function_scores(models, prompts, rows, completions, [[4]] * 3, None)
     assert seen == [["w0", "w3", "w5"]] and scores[:, 0].tolist() == [1.0, 0.0, 1.0]
     models = SimpleNamespace(reward_fns=[(none_for_all, "none_for_all", None)], reward_models=[])
-    with pytest.raises(SystemExit, match="None from every function"):
-        P.reward_function_scores(models, prompts, rows, completions, [[4]] * 3, None)
-    models.reward_models = [("a reward model", None)]
     assert P.reward_function_scores(models, prompts, rows, completions, [[4]] * 3, None).isnan().all()
 
 
@@ -2726,7 +2770,7 @@ RUNTIME_CASES = {  # found only once the models run: still one line, and no metr
 }
 RUNTIME_MUST_SAY = {"a reward function returning strings": "returned a str ('1.0') for completion 0: a score is",
                     "a reward function that raises": "raised ValueError: the grader is down (test_ppo_rlhf.py:",
-                    "a reward function scoring no completion": "no source scored completion 0",
+                    "a reward function scoring no completion": "no source scored any response of",
                     "a reward function returning NaN": "non-finite score (nan) for completion 0",
                     "a reward function returning the wrong count": "returned 7 scores for 8 completions"}
 
@@ -4160,6 +4204,7 @@ def stored_batch(gen, update, rows=4, width=5, scale=1.0):
                 scores=scale * torch.randn(rows, generator=gen),
                 kl=real(scale * torch.randn(rows, width, generator=gen)),
                 kl_coef=0.05 * (1 + update), values=real(torch.randn(rows, width, generator=gen)),
+                scored=torch.ones(rows, dtype=torch.bool),
                 prox=real(logprobs + scale * 0.3 * torch.randn(rows, width, generator=gen)))
 
 
