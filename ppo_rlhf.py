@@ -49,6 +49,7 @@ from collections import defaultdict, deque
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
+from functools import partial
 from types import SimpleNamespace
 from typing import Literal, Optional
 
@@ -783,6 +784,7 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
 
 # --------------------------------------------------------- main: setup, then the loop in six phases
 def main(args: Args):
+    ON_FAILURE.clear()  # an earlier run's, in this process
     sizes = agreed(check_args, args)  # a bad flag fails before loading
     model_path, dataset, eval_dataset = builtin_task(args)  # before the process group
     rt = start_processes(args)  # torchrun: join the process group; device and precision
@@ -802,8 +804,12 @@ def main(args: Args):
     start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     last_update = start_update if args.export_checkpoint else sizes.num_updates
+    saved = (model, optimizer, lr_scheduler, scaler, args, rt, models, log)  # checkpoint() saves
     for update in range(start_update, last_update):
         log.start_update()  # the clock of its phases
+        done = {**progress, "kl_coef": kl_coef}  # the loop's state after `update` updates
+        save = partial(save_before_failing, output_dir, update, done, *saved)  # if a reward fails
+        ON_FAILURE[:] = [save] if update else []
         # each rank its own slice of the global batch and its own seed (ints hash to themselves):
         # a resumed run continues exactly, with no RNG state to restore
         rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed, rt.rank, rt.world_size)
@@ -854,6 +860,7 @@ def main(args: Args):
                      advantages=advantages, returns=returns, kl_coef=kl_coef, loss_mask=loss_mask)
 
         # 5. PPO epochs: num_ppo_epochs passes over the batch, one optimizer step per minibatch
+        ON_FAILURE.clear()  # the weights move: no longer the last update's
         train_batch = batch  # with --replay_rounds N also the last N batches, off-policy
         if args.replay_rounds:
             train_batch = replay_batch(progress, batch, update, models, args, rt)
@@ -878,9 +885,9 @@ def main(args: Args):
         if args.adaptive_kl_target is not None:  # the global KL: the same β everywhere
             kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.adaptive_kl_target, sizes.batch_size,
                                        args.adaptive_kl_horizon)
-        if checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, model, optimizer, lr_scheduler,
-                      scaler, args, rt, models, log):  # saved after a stop signal
+        if checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, *saved):  # a signal
             return log.last
+    ON_FAILURE.clear()
     written = save_final(model, models, args, output_dir, rt, last_update)
     log.finish(f"saved {written} to {output_dir}")
     return log.last
@@ -1821,8 +1828,9 @@ def agreed(check, *args):
         error = f"error: {one_line(e)}"
     failed = list(filter(None, all_ranks_objects(error)))
     if failed:
+        saved = "".join(save() for save in ON_FAILURE)  # every rank: the updates done (main's)
         leave_process_group()  # every rank is here, none in a collective: leave together
-        raise SystemExit(failed[0] if os.environ.get("RANK", "0") == "0" else 1)
+        raise SystemExit(failed[0] + saved if os.environ.get("RANK", "0") == "0" else 1)
     return result
 
 
@@ -2064,6 +2072,7 @@ RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample
 CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
 DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
+ON_FAILURE = []  # save_before_failing while the weights are the last update's; agreed() runs it
 
 
 def full_state_dict(model, dtypes=None):
@@ -2307,10 +2316,20 @@ def default_output_dir(args):
     return f"runs/{prefix}{int(time.time())}"
 
 
-def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt, models, log):
-    """Every --save_every updates, or after a signal: all a run needs. -> whether to stop."""
+def save_before_failing(output_dir, update, *state):
+    """A failure after update 1 (a reward source's, in agreed()) first saves the updates done, as a
+    stop signal does. -> the error line's end: how to go on."""
+    checkpoint(output_dir, update, *state, failing=True)
+    path = os.path.join(output_dir, f"checkpoint-{update:06d}")
+    return (f"; saved {path}: fix it, then continue with the same flags plus --output_dir "
+            f"{output_dir} --resume auto")
+
+
+def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt,
+               models, log, failing=False):
+    """All a run needs: every --save_every updates, on a signal or failing. -> whether to stop."""
     stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
-    if not (stop or args.save_every and update % args.save_every == 0):
+    if not (stop or failing or args.save_every and update % args.save_every == 0):
         return False
     import torch.distributed.checkpoint as dcp
     progress = dict(progress)

@@ -116,6 +116,13 @@ def raises(completions, **kwargs):
     raise ValueError("the grader is down")
 
 
+def down_at_update_3(completions, trainer_state, **kwargs):
+    """count_w1's scores, but at update 3, while $GRADER_DOWN is set, the grader is down."""
+    if trainer_state.global_step == 2 and os.environ.get("GRADER_DOWN"):
+        raise RuntimeError("the grader is down")
+    return count_w1(None, completions)
+
+
 def fails_on_rank_1(completions, **kwargs):
     if os.environ.get("RANK") == "1":
         raise RuntimeError("rank 1's grader is down")
@@ -3128,6 +3135,34 @@ def test_reward_function_scores_are_real_numbers_or_none():
 # ----------------------------------------------------------------------------------------------- checkpoints and resume
 def DETERMINISTIC_KEYS(m):
     return {k: v for k, v in m.items() if not k.startswith(("time/", "memory/")) and k != "eps"}
+
+
+def test_a_reward_function_that_fails_at_update_3_leaves_a_checkpoint_of_update_2(tiny, tmp_path,
+                                                                                   monkeypatch):
+    """A failure after update 1 (here a reward function raising at update 3, with --save_every 0)
+    first writes a checkpoint of the updates done, then stops with one line that says how to go
+    on; that command, the grader back, finishes the run as an unbroken one would (bit-identical
+    metrics and weights)."""
+    flags = dict(reward_model_path=None, reward_fn=[f"{__file__}:down_at_update_3"],
+                 total_episodes=32)
+    out = str(tmp_path / "run")
+    monkeypatch.setenv("GRADER_DOWN", "1")
+    with pytest.raises(SystemExit) as failure:
+        P.main(run_args(tiny, tmp_path, **flags))
+    line = str(failure.value)
+    assert "\n" not in line
+    assert line.startswith(f"error: --reward_fn {__file__}:down_at_update_3 raised ")
+    assert line.endswith(f"; saved {out}/checkpoint-000002: fix it, then continue with the same "
+                         f"flags plus --output_dir {out} --resume auto")
+    assert P.list_checkpoints(out) == [f"{out}/checkpoint-000002"] and len(read_metrics(out)) == 2
+    monkeypatch.delenv("GRADER_DOWN")
+    P.main(run_args(tiny, tmp_path, resume="auto", **flags))
+    P.main(run_args(tiny, tmp_path / "unbroken", **flags))
+    resumed, unbroken = read_metrics(out), read_metrics(str(tmp_path / "unbroken" / "run"))
+    assert [DETERMINISTIC_KEYS(m) for m in resumed] == [DETERMINISTIC_KEYS(m) for m in unbroken]
+    assert len(resumed) == 4
+    weights, straight = final_weights(out), final_weights(str(tmp_path / "unbroken" / "run"))
+    assert all(torch.equal(v, straight["policy"][k]) for k, v in weights["policy"].items())
 
 
 def cli_run(tiny, output_dir, *extra, cwd=None, stream=subprocess.PIPE):
