@@ -1570,16 +1570,21 @@ def test_a_reward_function_gets_the_columns_it_names_and_a_reward_model_covers_n
     assert P.reward_function_scores(models, prompts, rows, completions, [[4]] * 3, None).isnan().all()
 
 
+def readme_section(section):
+    """The text of one `## ` section of README.md (its `### ` subsections included)."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    return text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+
+
 def readme_bash_blocks(section):
     """The ```bash blocks of one `## ` section of README.md."""
-    text = open(os.path.join(HERE, "README.md")).read()
-    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```bash\n(.*?)```", body, re.S)
+    return re.findall(r"```bash\n(.*?)```", readme_section(section), re.S)
 
 
 def test_the_readmes_replay_commands_parse_and_pass_the_flag_checks():
     """The five commands of the README's replay comparison, as written: tyro parses them and check_args passes."""
-    block = readme_bash_blocks("On-policy or replay?")[0].replace("\\\n", " ")
+    blocks = [b for b in readme_bash_blocks("What was measured") if "--replay_rounds" in b]
+    block = blocks[0].replace("\\\n", " ")
     commands = [line.split("#")[0].split("ppo_rlhf.py", 1)[1].split() for line in block.splitlines()
                 if "ppo_rlhf.py" in line]
     parsed = [tyro.cli(P.Args, args=argv) for argv in commands]
@@ -1594,10 +1599,11 @@ def test_the_readmes_verifiable_reward_example_runs_and_its_function_sees_each_r
     """The README's example, as written (its files by its heredocs, its command), with a tiny model in place of the
     hub one and small sizes appended (the last value of a flag wins); a spy around its reward function records what
     it was given: each prompt with its own row's answer."""
-    script = readme_bash_blocks("Reward functions and verifiable rewards")[block]
-    setup, command = script.split("python ppo_rlhf.py ", 1)
+    blocks = readme_bash_blocks("Running on real models and at scale")
+    scripts = [b for b in blocks if "cat > math" in b]
+    setup, command = scripts[block].split("python ppo_rlhf.py ", 1)
     if block == 1:  # the second block reuses the first's reward function
-        setup = readme_bash_blocks("Reward functions and verifiable rewards")[0].split("python ppo_rlhf.py ")[0] + setup
+        setup = scripts[0].split("python ppo_rlhf.py ")[0] + setup
     subprocess.run(["bash", "-c", setup], cwd=tmp_path, check=True)
     with open(tmp_path / "math_reward.py", "a") as f:
         f.write("\n\nimport json\n_accuracy = accuracy\n\n\ndef accuracy(completions, answer, **kwargs):\n"
@@ -2374,10 +2380,9 @@ def test_builtin_task_learns(tmp_path, capfd):
     assert len(evaluated) == 20 and len(trained) == 80 and trained.isdisjoint(evaluated)
 
 
-def readme_python_blocks():
-    """The ```python snippets of the README's opening part: using the trained policy, a trained chat model, plotting
-    metrics.jsonl."""
-    return re.findall(r"```python\n(.*?)```", open(os.path.join(HERE, "README.md")).read().split("\n## ", 1)[0], re.S)
+def readme_python_blocks(section):
+    """The ```python snippets of one `## ` section of README.md."""
+    return re.findall(r"```python\n(.*?)```", readme_section(section), re.S)
 
 
 @pytest.fixture(scope="module")
@@ -2390,7 +2395,7 @@ def builtin_run(tmp_path_factory):
 
 def test_the_readmes_snippet_using_the_trained_policy_runs(builtin_run, tmp_path):
     """It prints the policy's greedy answer to 3 + 4 (what P.generate answers greedily)."""
-    snippet = readme_python_blocks()[0]
+    snippet = readme_python_blocks("Using a trained policy")[0]
     assert "runs/ppo_rlhf__1__1764570000/policy" in snippet
     result = subprocess.run([sys.executable, "-c", snippet.replace("runs/ppo_rlhf__1__1764570000", builtin_run)],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -2407,7 +2412,7 @@ def test_the_readmes_snippet_generating_with_a_trained_chat_model_runs(tiny, tmp
     """On a chat policy trained by the script (from a tokenizer without a pad token, <|im_end|> a stop id beside EOS
     in generation_config.json) it prints the greedy answer's new tokens up to <|im_end|>, as P.generate answers. The
     chat model first learns to answer the snippet's question `w7 <|im_end|> w8`: only a stop at <|im_end|> ends it."""
-    snippet = readme_python_blocks()[1]
+    snippet = readme_python_blocks("Using a trained policy")[1]
     messages = [{"role": "user", "content": "What is 12 times 12?"}]
     assert "runs/ppo_rlhf__1__1764570000/policy" in snippet and json.dumps(messages) in snippet
     tokenizer = AutoTokenizer.from_pretrained(tiny["chat"])
@@ -2436,7 +2441,8 @@ def test_the_readmes_snippet_generating_with_a_trained_chat_model_runs(tiny, tmp
 
 def test_the_readmes_snippet_plotting_the_metrics_runs(builtin_run, tmp_path):
     pytest.importorskip("matplotlib")  # an optional package
-    snippet = readme_python_blocks()[2].replace("runs/ppo_rlhf__1__1764570000", builtin_run)
+    snippet = readme_python_blocks("Metrics")[0]
+    snippet = snippet.replace("runs/ppo_rlhf__1__1764570000", builtin_run)
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})
     assert result.returncode == 0, result.stderr[-2000:]
