@@ -1593,6 +1593,91 @@ def test_the_readmes_replay_commands_parse_and_pass_the_flag_checks():
     assert all(P.check_args(a).num_updates in (400, 1600) for a in parsed)
 
 
+def test_the_readme_reads_in_one_sitting_and_names_no_line_of_the_code():
+    """At most 400 lines and 40 KB; it names functions, never line numbers of ppo_rlhf.py (a
+    hand-kept map of line ranges goes stale with every commit)."""
+    text = open(os.path.join(HERE, "README.md"), "rb").read()
+    assert len(text.splitlines()) <= 400 and len(text) <= 40_000
+    pattern = r"\blines? \d+|ppo_rlhf\.py[:#]L?\d+|#L\d+"
+    assert re.findall(pattern, text.decode(), re.I) == []
+
+
+def test_every_section_of_what_was_measured_says_where_its_figures_come_from():
+    """Each `### ` subsection: a commit, a date, a machine and a thread count."""
+    subsections = readme_section("What was measured").split("\n### ")[1:]
+    assert len(subsections) >= 5
+    for sub in subsections:
+        assert re.search(r"\b(?=[0-9]*[a-f])[0-9a-f]{7,40}\b", sub), sub[:60]  # a commit
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", sub), sub[:60]  # a date
+        assert re.search(r"AMD EPYC|Intel Xeon|this machine", sub, re.I), sub[:60]
+        assert re.search(r"OMP_NUM_THREADS|thread", sub), sub[:60]
+
+
+def readme_sample_columns(line):
+    """A start or update line without what differs from run to run or with the run's length: the
+    update count and the output folder, and from the first `|` on (seconds, memory, clock)."""
+    line = re.sub(r"^(update 1/|ppo_rlhf: )\d+", r"\1N", line.split("|")[0])
+    return re.sub(r"output \S+;", "output X;", line)
+
+
+def test_the_readmes_sample_output_is_what_a_seed_1_run_prints(tmp_path, capsys):
+    """The README's first lines of the default run equal a seed-1 run's: the start line and update
+    1's metrics, as printed (`kl -0.000` included). One update suffices: the learning rate of
+    update 1 is the initial one for any number of updates, and the evaluation after it has its
+    own random stream."""
+    readme = open(os.path.join(HERE, "README.md")).read().splitlines()
+    start = next(line for line in readme if line.startswith("ppo_rlhf: 400 updates"))
+    update = next(line for line in readme if line.startswith("update 1/400 "))
+    assert readme.index(update) == readme.index(start) + 1
+    P.main(P.Args(output_dir=str(tmp_path / "run"), total_episodes=128))
+    printed = capsys.readouterr().out.splitlines()
+    assert [readme_sample_columns(x) for x in (start, update)] == [
+        readme_sample_columns(x) for x in printed[:2]]
+
+
+def help_flags(capsys):
+    """Every flag `--help` lists (tyro spells them with `-`)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        tyro.cli(P.Args, args=["--help"])
+    return set(re.findall(r"--[a-z][a-z0-9-]*", capsys.readouterr().out))
+
+
+def readme_family_rows():
+    """[(the flags of its first cell, the row)] for each row of the README's PPO family table."""
+    lines = readme_section("The PPO family").splitlines()
+    rows = [line for line in lines if line.startswith("| `--")]
+    return [(re.findall(r"--[a-z_]+", row.split(" | ")[0]), row) for row in rows]
+
+
+def test_every_flag_the_readme_runs_ppo_rlhf_with_and_every_family_flag_exists(capsys):
+    """A flag on a README line that runs ppo_rlhf.py (continuation lines joined; torchrun's and
+    pip's flags come before it), and every flag of the family table, is one `--help` lists."""
+    text = open(os.path.join(HERE, "README.md")).read().replace("\\\n", " ")
+    flags = set()
+    for line in text.splitlines():
+        for rest in re.findall(r"(?<![\w/])ppo_rlhf\.py\b([^`#|;&]*)", line):
+            flags.update(re.findall(r"(?<!\S)--[a-zA-Z][\w-]*", rest))
+    assert {"--replay_rounds", "--reward_fn", "--distributed"} <= flags  # the commands were read
+    family = {flag for flags, _ in readme_family_rows() for flag in flags}
+    known = help_flags(capsys)
+    unknown = {f for f in flags | family if f.replace("_", "-") not in known}
+    assert unknown == set()
+
+
+def test_every_algorithmic_switch_is_in_the_family_table_or_the_real_models_section():
+    """Every Args field not in RUN_ONLY_FIELDS (but --seed, which picks random streams and no
+    formula) is a flag of the family table or of the real-models section; a switch's every
+    value is named in its family rows, or beside it in that section."""
+    rows = readme_family_rows()
+    real = readme_section("Running on real models and at scale")
+    for field in set(P.Args.__dataclass_fields__) - P.RUN_ONLY_FIELDS - {"seed"}:
+        family = " ".join(row for flags, row in rows if f"--{field}" in flags)
+        assert family or re.search(rf"`--{field}\b", real), field
+        for value in [v for v in switch_values(field) if isinstance(v, str)]:  # a Literal's
+            assert re.search(rf"\b{value}\b", family or real), (field, value)
+
+
 @pytest.mark.parametrize("block,model", [(0, "gpt2"), (1, "chat")])
 def test_the_readmes_verifiable_reward_example_runs_and_its_function_sees_each_rows_answer(tiny, tmp_path, block,
                                                                                               model):
