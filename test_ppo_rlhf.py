@@ -1623,16 +1623,21 @@ def test_a_reward_function_gets_the_columns_it_names_and_a_reward_model_covers_n
     assert P.reward_function_scores(models, prompts, rows, completions, [[4]] * 3, None).isnan().all()
 
 
+def readme_section(section):
+    """The text of one `## ` section of README.md (its `### ` subsections included)."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    return text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+
+
 def readme_bash_blocks(section):
     """The ```bash blocks of one `## ` section of README.md."""
-    text = open(os.path.join(HERE, "README.md")).read()
-    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```bash\n(.*?)```", body, re.S)
+    return re.findall(r"```bash\n(.*?)```", readme_section(section), re.S)
 
 
 def test_the_readmes_replay_commands_parse_and_pass_the_flag_checks():
     """The five commands of the README's replay comparison, as written: tyro parses them and check_args passes."""
-    block = readme_bash_blocks("On-policy or replay?")[0].replace("\\\n", " ")
+    blocks = [b for b in readme_bash_blocks("What was measured") if "--replay_rounds" in b]
+    block = blocks[0].replace("\\\n", " ")
     commands = [line.split("#")[0].split("ppo_rlhf.py", 1)[1].split() for line in block.splitlines()
                 if "ppo_rlhf.py" in line]
     parsed = [tyro.cli(P.Args, args=argv) for argv in commands]
@@ -1641,16 +1646,102 @@ def test_the_readmes_replay_commands_parse_and_pass_the_flag_checks():
     assert all(P.check_args(a).num_updates in (400, 1600) for a in parsed)
 
 
+def test_the_readme_reads_in_one_sitting_and_names_no_line_of_the_code():
+    """At most 400 lines and 40 KB; it names functions, never line numbers of ppo_rlhf.py (a
+    hand-kept map of line ranges goes stale with every commit)."""
+    text = open(os.path.join(HERE, "README.md"), "rb").read()
+    assert len(text.splitlines()) <= 400 and len(text) <= 40_000
+    pattern = r"\blines? \d+|ppo_rlhf\.py[:#]L?\d+|#L\d+"
+    assert re.findall(pattern, text.decode(), re.I) == []
+
+
+def test_every_section_of_what_was_measured_says_where_its_figures_come_from():
+    """Each `### ` subsection: a commit, a date, a machine and a thread count."""
+    subsections = readme_section("What was measured").split("\n### ")[1:]
+    assert len(subsections) >= 5
+    for sub in subsections:
+        assert re.search(r"\b(?=[0-9]*[a-f])[0-9a-f]{7,40}\b", sub), sub[:60]  # a commit
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", sub), sub[:60]  # a date
+        assert re.search(r"AMD EPYC|Intel Xeon|this machine", sub, re.I), sub[:60]
+        assert re.search(r"OMP_NUM_THREADS|thread", sub), sub[:60]
+
+
+def readme_sample_columns(line):
+    """A start or update line without what differs from run to run or with the run's length: the
+    update count and the output folder, and from the first `|` on (seconds, memory, clock)."""
+    line = re.sub(r"^(update 1/|ppo_rlhf: )\d+", r"\1N", line.split("|")[0])
+    return re.sub(r"output \S+;", "output X;", line)
+
+
+def test_the_readmes_sample_output_is_what_a_seed_1_run_prints(tmp_path, capsys):
+    """The README's first lines of the default run equal a seed-1 run's: the start line and update
+    1's metrics, as printed (`kl -0.000` included). One update suffices: the learning rate of
+    update 1 is the initial one for any number of updates, and the evaluation after it has its
+    own random stream."""
+    readme = open(os.path.join(HERE, "README.md")).read().splitlines()
+    start = next(line for line in readme if line.startswith("ppo_rlhf: 400 updates"))
+    update = next(line for line in readme if line.startswith("update 1/400 "))
+    assert readme.index(update) == readme.index(start) + 1
+    P.main(P.Args(output_dir=str(tmp_path / "run"), total_episodes=128))
+    printed = capsys.readouterr().out.splitlines()
+    assert [readme_sample_columns(x) for x in (start, update)] == [
+        readme_sample_columns(x) for x in printed[:2]]
+
+
+def help_flags(capsys):
+    """Every flag `--help` lists (tyro spells them with `-`)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        tyro.cli(P.Args, args=["--help"])
+    return set(re.findall(r"--[a-z][a-z0-9-]*", capsys.readouterr().out))
+
+
+def readme_family_rows():
+    """[(the flags of its first cell, the row)] for each row of the README's PPO family table."""
+    lines = readme_section("The PPO family").splitlines()
+    rows = [line for line in lines if line.startswith("| `--")]
+    return [(re.findall(r"--[a-z_]+", row.split(" | ")[0]), row) for row in rows]
+
+
+def test_every_flag_the_readme_runs_ppo_rlhf_with_and_every_family_flag_exists(capsys):
+    """A flag on a README line that runs ppo_rlhf.py (continuation lines joined; torchrun's and
+    pip's flags come before it), and every flag of the family table, is one `--help` lists."""
+    text = open(os.path.join(HERE, "README.md")).read().replace("\\\n", " ")
+    flags = set()
+    for line in text.splitlines():
+        for rest in re.findall(r"(?<![\w/])ppo_rlhf\.py\b([^`#|;&]*)", line):
+            flags.update(re.findall(r"(?<!\S)--[a-zA-Z][\w-]*", rest))
+    assert {"--replay_rounds", "--reward_fn", "--distributed"} <= flags  # the commands were read
+    family = {flag for flags, _ in readme_family_rows() for flag in flags}
+    known = help_flags(capsys)
+    unknown = {f for f in flags | family if f.replace("_", "-") not in known}
+    assert unknown == set()
+
+
+def test_every_algorithmic_switch_is_in_the_family_table_or_the_real_models_section():
+    """Every Args field not in RUN_ONLY_FIELDS (but --seed, which picks random streams and no
+    formula) is a flag of the family table or of the real-models section; a switch's every
+    value is named in its family rows, or beside it in that section."""
+    rows = readme_family_rows()
+    real = readme_section("Running on real models and at scale")
+    for field in set(P.Args.__dataclass_fields__) - P.RUN_ONLY_FIELDS - {"seed"}:
+        family = " ".join(row for flags, row in rows if f"--{field}" in flags)
+        assert family or re.search(rf"`--{field}\b", real), field
+        for value in [v for v in switch_values(field) if isinstance(v, str)]:  # a Literal's
+            assert re.search(rf"\b{value}\b", family or real), (field, value)
+
+
 @pytest.mark.parametrize("block,model", [(0, "gpt2"), (1, "chat")])
 def test_the_readmes_verifiable_reward_example_runs_and_its_function_sees_each_rows_answer(tiny, tmp_path, block,
                                                                                               model):
     """The README's example, as written (its files by its heredocs, its command), with a tiny model in place of the
     hub one and small sizes appended (the last value of a flag wins); a spy around its reward function records what
     it was given: each prompt with its own row's answer."""
-    script = readme_bash_blocks("Reward functions and verifiable rewards")[block]
-    setup, command = script.split("python ppo_rlhf.py ", 1)
+    blocks = readme_bash_blocks("Running on real models and at scale")
+    scripts = [b for b in blocks if "cat > math" in b]
+    setup, command = scripts[block].split("python ppo_rlhf.py ", 1)
     if block == 1:  # the second block reuses the first's reward function
-        setup = readme_bash_blocks("Reward functions and verifiable rewards")[0].split("python ppo_rlhf.py ")[0] + setup
+        setup = scripts[0].split("python ppo_rlhf.py ")[0] + setup
     subprocess.run(["bash", "-c", setup], cwd=tmp_path, check=True)
     with open(tmp_path / "math_reward.py", "a") as f:
         f.write("\n\nimport json\n_accuracy = accuracy\n\n\ndef accuracy(completions, answer, **kwargs):\n"
@@ -2427,10 +2518,9 @@ def test_builtin_task_learns(tmp_path, capfd):
     assert len(evaluated) == 20 and len(trained) == 80 and trained.isdisjoint(evaluated)
 
 
-def readme_python_blocks():
-    """The ```python snippets of the README's opening part: using the trained policy, a trained chat model, plotting
-    metrics.jsonl."""
-    return re.findall(r"```python\n(.*?)```", open(os.path.join(HERE, "README.md")).read().split("\n## ", 1)[0], re.S)
+def readme_python_blocks(section):
+    """The ```python snippets of one `## ` section of README.md."""
+    return re.findall(r"```python\n(.*?)```", readme_section(section), re.S)
 
 
 @pytest.fixture(scope="module")
@@ -2443,7 +2533,7 @@ def builtin_run(tmp_path_factory):
 
 def test_the_readmes_snippet_using_the_trained_policy_runs(builtin_run, tmp_path):
     """It prints the policy's greedy answer to 3 + 4 (what P.generate answers greedily)."""
-    snippet = readme_python_blocks()[0]
+    snippet = readme_python_blocks("Using a trained policy")[0]
     assert "runs/ppo_rlhf__1__1764570000/policy" in snippet
     result = subprocess.run([sys.executable, "-c", snippet.replace("runs/ppo_rlhf__1__1764570000", builtin_run)],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -2460,7 +2550,7 @@ def test_the_readmes_snippet_generating_with_a_trained_chat_model_runs(tiny, tmp
     """On a chat policy trained by the script (from a tokenizer without a pad token, <|im_end|> a stop id beside EOS
     in generation_config.json) it prints the greedy answer's new tokens up to <|im_end|>, as P.generate answers. The
     chat model first learns to answer the snippet's question `w7 <|im_end|> w8`: only a stop at <|im_end|> ends it."""
-    snippet = readme_python_blocks()[1]
+    snippet = readme_python_blocks("Using a trained policy")[1]
     messages = [{"role": "user", "content": "What is 12 times 12?"}]
     assert "runs/ppo_rlhf__1__1764570000/policy" in snippet and json.dumps(messages) in snippet
     tokenizer = AutoTokenizer.from_pretrained(tiny["chat"])
@@ -2489,7 +2579,8 @@ def test_the_readmes_snippet_generating_with_a_trained_chat_model_runs(tiny, tmp
 
 def test_the_readmes_snippet_plotting_the_metrics_runs(builtin_run, tmp_path):
     pytest.importorskip("matplotlib")  # an optional package
-    snippet = readme_python_blocks()[2].replace("runs/ppo_rlhf__1__1764570000", builtin_run)
+    snippet = readme_python_blocks("Metrics")[0]
+    snippet = snippet.replace("runs/ppo_rlhf__1__1764570000", builtin_run)
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})
     assert result.returncode == 0, result.stderr[-2000:]
