@@ -1681,11 +1681,13 @@ def test_the_readmes_sample_output_is_what_a_seed_1_run_prints(tmp_path, capsys)
     readme = open(os.path.join(HERE, "README.md")).read().splitlines()
     start = next(line for line in readme if line.startswith("ppo_rlhf: 400 updates"))
     update = next(line for line in readme if line.startswith("update 1/400 "))
-    assert readme.index(update) == readme.index(start) + 1
+    flags = readme[readme.index(start) + 1]
+    assert readme.index(update) == readme.index(start) + 2 and flags == "flags: (the defaults)"
     P.main(P.Args(output_dir=str(tmp_path / "run"), total_episodes=128))
     printed = capsys.readouterr().out.splitlines()
+    assert printed[1] == "flags: --total_episodes 128"  # the one flag given
     assert [readme_sample_columns(x) for x in (start, update)] == [
-        readme_sample_columns(x) for x in printed[:2]]
+        readme_sample_columns(x) for x in (printed[0], printed[2])]
 
 
 def help_flags(capsys):
