@@ -244,8 +244,6 @@ class Args:
     """ddp: whole models on every device; fsdp: FSDP2 shards weights, gradients, optimizer state"""
     shard_frozen_models: bool = False
     """with fsdp: shard the reference and reward models too"""
-    offload_frozen_models: bool = False
-    """with --shard_frozen_models: their shards in host memory, each block's copied in for its forward"""
     rollout_unshard: bool = True
     """with fsdp: gather the policy once for the rollout (off: if it cannot fit one device)"""
     dist_timeout_s: int = 1800
@@ -927,8 +925,6 @@ FLAG_CONFLICTS = {
         lambda a: a.ref_model_path and a.lora_r,
     "--export_checkpoint needs --resume FOLDER, the checkpoint it writes": lambda a: a.export_checkpoint
         and a.resume in (None, "auto"),
-    "--offload_frozen_models needs --shard_frozen_models (it offloads their shards)":
-        lambda a: a.offload_frozen_models and not a.shard_frozen_models,
     "--merge_lora and --lora_target_modules need --lora_r > 0":
         lambda a: (a.merge_lora or a.lora_target_modules) and not a.lora_r,
     "--replay_rounds N > 0 and --replay_correction naive|decoupled go together":
@@ -1761,7 +1757,6 @@ class Runtime:
     torchrun: bool = False
     fsdp: bool = False
     low_dtype: Optional[torch.dtype] = None
-    offload: bool = False  # the frozen models' shards, under FSDP2
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.low_dtype) if self.low_dtype else nullcontext()
@@ -1793,8 +1788,8 @@ def start_processes(args):
         if flags and not set(units) & set(flags):
             say(f"note: --dtype {args.dtype} runs slower than fp32 on this CPU (no "
                 f"{' or '.join(units)} in {CPUINFO}); choose it to match a GPU run's numbers")
-    return Runtime(rank, world_size, device, torchrun, torchrun and args.distributed == "fsdp", low_dtype,
-                   args.offload_frozen_models)
+    fsdp = torchrun and args.distributed == "fsdp"
+    return Runtime(rank, world_size, device, torchrun, fsdp, low_dtype)
 
 
 def in_process_group():
@@ -1893,11 +1888,10 @@ def wrap_for_training(models, args, rt):
 
 def shard(model, frozen=False, rt=Runtime()):
     """FSDP2: a unit per decoder block, then the root (a frozen one reshards after forward);
-    under bf16 gathered in bf16, gradients reduced in fp32 (the shards, and AdamW, stay in their dtype);
-    a frozen one with --offload_frozen_models: its shards in host memory (pinned on CUDA), copied in to be gathered."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=rt.low_dtype, reduce_dtype=torch.float32),
-              offload_policy=CPUOffloadPolicy(rt.device.type == "cuda") if frozen and rt.offload else OffloadPolicy())
+    under bf16 gathered in bf16, gradients reduced in fp32 (the shards, and AdamW, stay in their
+    dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=rt.low_dtype, reduce_dtype=torch.float32))
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or ()):
             fully_shard(module, **kw)
@@ -1931,7 +1925,7 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
                                     "so each rank loads it whole, then shards it")
     buffers = {k: b.clone() for k, b in model.named_buffers()}  # to_empty() would leave them uninitialised
     shard(model, frozen, rt)
-    model.to_empty(device="cpu" if frozen and rt.offload else rt.device)  # FSDP2 offloads only from host memory
+    model.to_empty(device=rt.device)
     for key, buffer in buffers.items():  # on the device, where the inputs are
         model.get_buffer(key).data = buffer.to(rt.device)
     weights = get_model_state_dict(model)  # this rank's shards, by name
@@ -2067,7 +2061,7 @@ def import_peft(flag):
 # Run-only fields: how a run is launched, stored or watched, not what it learns (beyond rounding:
 # --distributed, --shard_frozen_models; --eval_temperature: eval/). A resume may change only these.
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
-    save_every save_total_limit resume export_checkpoint distributed shard_frozen_models offload_frozen_models
+    save_every save_total_limit resume export_checkpoint distributed shard_frozen_models
     rollout_unshard dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
 CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
 DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
