@@ -357,8 +357,8 @@ def baseline_rows(scored, num_generations, advantage_estimator):
 
 def scored_baselines(scores, scored, lengths, num_generations, advantage_estimator):
     """baselined_scores with the rows no reward source scored left out of their group's baseline
-    and std (as TRL): a group's scored rows are baselined alone; rows without a baseline (
-    baseline_rows) get 0. A group with no unscored row: baselined_scores' own operations. (B,)."""
+    and std (as TRL): a group's scored rows are baselined alone; rows that keep no baseline
+    (baseline_rows) get 0. A group with no unscored row: baselined_scores' own operations. (B,)."""
     baselined = baselined_scores(scores, lengths, num_generations, advantage_estimator)
     kept = baseline_rows(scored, num_generations, advantage_estimator)
     k = num_generations
@@ -621,9 +621,9 @@ def response_chunks(batch, chunk):
 
 def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
     """Phase 2: no-grad forwards of the frozen models -> ref_logprobs, values (B, R), completions,
-    source_scores (B, S; NaN: None), raw_scores Σ w·s (B,; 0 where scored, (B,), is False: no source
-    scored it, every function gave None); logprobs: log π_old as training computes
-    it (bf16/fp16: recomputed; fp32: μ), sampler_logprobs μ. scores_only: reward sources only."""
+    source_scores (B, S; NaN: None), raw_scores Σ w·s (B,), scored (B,; False: every source gave
+    None, raw score 0); logprobs: log π_old as training computes it (bf16/fp16: recomputed; fp32:
+    μ), sampler_logprobs μ. scores_only: reward sources only."""
     context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
     sampler_logprobs = batch["logprobs"]  # μ (B, R), also log π_old unless bf16/fp16 recompute it below
     logprobs = sampler_logprobs.clone() if rt.low_dtype else sampler_logprobs
@@ -824,8 +824,9 @@ def main(args: Args):
 
         # 2. score: log π_ref and V(s_t) of every response token, and the score of each response
         batch.update(score(models, batch, prompts, rows, args, rt, trainer_state(update, sizes, args, prompts)))
-        scored = warn_unscored(batch["scored"], prompts, rows, models, update)  # (B,)
-        scores = batch["raw_scores"]  # (B,); 0 where no source scored
+        scored = batch["scored"]  # (B,): False where no reward source scored the row (None)
+        warn_unscored(scored, prompts, rows, models, update)  # over all ranks
+        scores = batch["raw_scores"]  # (B,)
         if args.missing_eos_penalty is not None:  # responses without a stop id
             scores = scores - args.missing_eos_penalty * batch["truncated"].float()
         std = 1.0
@@ -1626,19 +1627,18 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
 
 def warn_unscored(scored, prompts, rows, models, update):
     """The rows no reward source scored (every function gave None), over all ranks: one warning
-    naming their --dataset rows, or a stop if no row has a score. -> scored (B,)."""
+    naming their --dataset rows, or a stop (after update 1 with a checkpoint) if no row has one."""
     mine = [prompts.origins[rows[i]] for i in (~scored).nonzero().flatten().tolist()]
     gathered = all_ranks_objects((mine, scored.any().item()))
     missed = [origin for rank_missed, _ in gathered for origin in rank_missed]
     functions = ", ".join(spec for _, spec, _ in models.reward_fns)
-    if not any(any_scored for _, any_scored in gathered):
+    if not any(any_scored for _, any_scored in gathered):  # every rank is here: save together
         fail(f"--reward_fn {functions}: no source scored any response of update {update + 1} (None "
-             "from every function)")
+             "from every function)" + "".join(save() for save in ON_FAILURE))
     if missed and int(os.environ.get("RANK", 0)) == 0:
         say(f"warning: update {update + 1}: no reward source scored {len(missed)} responses (None "
             f"from --reward_fn {functions}), to --dataset {', '.join(dict.fromkeys(missed))}: "
             "left out of their group's baseline and of the loss", file=sys.stderr)
-    return scored
 
 
 def check_scores(scores, n, source):
