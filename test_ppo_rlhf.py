@@ -4753,7 +4753,8 @@ def mismatch_metrics(mu, old, mask):
     B, R = mu.shape
     zeros = torch.zeros(B, R)
     batch = {"response_mask": mask, "kl": zeros, "scores": torch.zeros(B), "returns": zeros,
-             "reward_kl_coef": 0.0, "logprobs": old, "sampler_logprobs": mu,
+             "penalties": zeros, "scored": torch.ones(B, dtype=torch.bool), "logprobs": old,
+             "sampler_logprobs": mu,
              "raw_scores": torch.zeros(B), "lengths": mask.sum(1),
              "truncated": torch.zeros(B, dtype=torch.bool), "source_scores": torch.zeros(B, 1),
              "attention_mask": torch.ones(B, R + 2, dtype=torch.bool), "kl_coef": 0.0}
