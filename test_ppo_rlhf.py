@@ -532,7 +532,8 @@ def test_advantages_are_whitened_with_the_statistics_of_the_tokens_in_the_loss()
     loss_mask = mask & torch.tensor([True, False, True, True])[:, None]  # response 1 was cut off
     kl, values = (torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(2))
     scores = torch.tensor([0.5, 9.0, -1.0, 2.0], dtype=torch.float64)  # 9: far from the rest
-    phase_4 = P.advantages_and_returns(scores, kl, 0.2, values, mask, loss_mask, P.Args())
+    scored = torch.ones(4, dtype=torch.bool)  # every row has a score
+    phase_4 = P.advantages_and_returns(scores, scored, kl, 0.2, values, mask, loss_mask, P.Args())
     penalties, rewards, advantages, returns = phase_4
     assert torch.equal(penalties, torch.where(mask, -0.2 * kl, 0.0))
     assert torch.equal(rewards, P.per_token_rewards(scores, penalties, mask))
@@ -547,7 +548,7 @@ def test_advantages_are_whitened_with_the_statistics_of_the_tokens_in_the_loss()
     assert not torch.allclose(advantages[mask], over_mask[mask])
     grpo = P.Args(advantage_estimator="grpo", num_generations=2, kl_in="loss")
     no_value = torch.zeros_like(values)  # value-free: score() leaves V at 0
-    phase_4 = P.advantages_and_returns(scores, kl, 0.2, no_value, mask, loss_mask, grpo)
+    phase_4 = P.advantages_and_returns(scores, scored, kl, 0.2, no_value, mask, loss_mask, grpo)
     penalties, rewards, group, _ = phase_4
     baselined = P.baselined_scores(scores, mask.sum(1), 2, "grpo")
     assert not penalties.any()
@@ -759,7 +760,8 @@ def switch_outputs(flag, gen):
         args = P.Args(**{**base, flag: value})
         if flag in ("advantage_estimator", "kl_in"):
             v = values if P.ESTIMATORS[args.advantage_estimator]["learns_value"] else 0 * values
-            phase_4 = P.advantages_and_returns(scores, kl, 0.3, v, mask, mask, args)
+            scored = torch.ones(4, dtype=torch.bool)
+            phase_4 = P.advantages_and_returns(scores, scored, kl, 0.3, v, mask, mask, args)
             outputs[value] = torch.cat(phase_4)
         elif flag == "policy_loss":
             outputs[value] = P.policy_loss(new, old, advantages, mask, args)[0]
@@ -793,7 +795,7 @@ def test_every_value_of_a_switch_has_its_row_and_a_branch_of_its_own(flag):
                     lambda: P.rollout_weights(x, x, mask, "token_" + new, 2.0),
                     lambda: P.baselined_scores(x[0], torch.ones(3), 3, new),
                     lambda: P.policy_loss(x, x, x, mask, P.Args(policy_loss=new)),
-                    lambda: P.advantages_and_returns(x[:, 0], x, 0.1, x, mask, mask,
+                    lambda: P.advantages_and_returns(x[:, 0], mask[:, 0], x, 0.1, x, mask, mask,
                                                      P.Args(kl_in=new))):
         with pytest.raises(ValueError, match="no branch for"):
             unknown()
@@ -4273,8 +4275,8 @@ def test_a_term_added_in_phase_4_reaches_every_row_replay_trains_on(tiny, tmp_pa
     a group baseline."""
     real = P.advantages_and_returns
 
-    def with_a_term(scores, kl, kl_coef, values, mask, loss_mask, args):
-        phase_4 = real(scores, kl, kl_coef, values, mask, loss_mask, args)
+    def with_a_term(scores, scored, kl, kl_coef, values, mask, loss_mask, args):
+        phase_4 = real(scores, scored, kl, kl_coef, values, mask, loss_mask, args)
         penalties, rewards, advantages, returns = phase_4
         return penalties, rewards, torch.where(mask, advantages + 100, advantages), returns
     monkeypatch.setattr(P, "advantages_and_returns", with_a_term)
