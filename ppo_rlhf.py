@@ -2352,9 +2352,9 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
         line = (f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
                 "--resume auto")
         log.print(line)
-    if stop and rt.rank == 0:  # in the run folder too: a `| tee` dies with the Ctrl-C
-        with open(os.path.join(output_dir, "stopped.txt"), "w") as f:
-            f.write(f"stopped by a signal after update {update}\n{line}\n")
+        if rt.rank == 0:  # in the run folder too: a `| tee` dies with the Ctrl-C
+            with open(os.path.join(output_dir, "stopped.txt"), "w") as f:
+                f.write(f"stopped by a signal after update {update}\n{line}\n")
     return stop
 
 
