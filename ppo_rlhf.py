@@ -1825,7 +1825,9 @@ def agreed(check, *args):
     if failed:
         saved = "".join(save() for save in ON_FAILURE)  # every rank: the updates done (main's)
         leave_process_group()  # every rank is here, none in a collective: leave together
-        raise SystemExit(failed[0] + saved if os.environ.get("RANK", "0") == "0" else 1)
+        # Rank 0 prints the error and fails the run; the others leave with status 0, since a rank
+        # that exits 1 first makes torchrun kill rank 0 before it has printed.
+        raise SystemExit(failed[0] + saved if os.environ.get("RANK", "0") == "0" else 0)
     return result
 
 
