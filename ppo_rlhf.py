@@ -15,13 +15,13 @@ num_ppo_epochs passes of small steps over that fresh batch, throw it away. ρ_t 
 drifting from π_old inside those epochs, but only for the choice of token, not for the states a
 drifted policy would visit: the clip, the KL penalty to π_ref and target_kl early stopping keep π_θ
 close enough for that to hold. Its relatives (RLOO, GRPO, Dr. GRPO, REINFORCE++, KL as a loss, clip
-variants, CISPO, SAPO, GSPO, replay of older batches, the sampler's mismatch corrected) are switches,
-each a few lines next to the formula it changes.
-Follows Schulman et al. 2017 (PPO), Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF), Huang et
-al. 2024 ("The N+ implementation details of RLHF with PPO"); names as TRL's. Differs from TRL on
-purpose: the score lands on the last real response token (TRL: one past it), every forward gets
-position_ids, sampling is a plain loop over softmax(z / T), and the loss is the token mean over the
-whole minibatch on all devices (TRL: a mean of micro-batch means). A first reading stops after main.
+variants, CISPO, SAPO, GSPO, replay of older batches, the sampler's mismatch corrected) are
+switches, each a few lines next to the formula it changes. Follows Schulman et al. 2017 (PPO),
+Ziegler et al. 2019 and Stiennon et al. 2020 (RLHF), Huang et al. 2024 ("The N+ implementation
+details of RLHF with PPO"); names as TRL's. Differs from TRL on purpose: the score lands on the last
+real response token (TRL: one past it), every forward gets position_ids, sampling is a plain loop
+over softmax(z / T), and the loss is the token mean over the whole minibatch on all devices (TRL: a
+mean of micro-batch means). A first reading stops after main.
 """
 import asyncio
 import atexit
@@ -58,7 +58,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -78,7 +79,7 @@ class Args:
     num_sample_generations: int = 10
     """print samples and evaluate this many times during training, and after the last update"""
     eval_dataset: Optional[str] = "auto"
-    """held-out prompts (as --dataset); auto: the built-in task's 20 for it, else none; None: none"""
+    """held-out prompts (as --dataset); auto: the built-in task's 20 for it, else none"""
     eval_temperature: float = 0.0
     """sampling temperature of the evaluation (0: greedy)"""
     health_window: int = 50
@@ -90,7 +91,7 @@ class Args:
     resume: Optional[str] = None
     """`auto`: continue from the newest checkpoint of output_dir (if any); or a checkpoint folder"""
     export_checkpoint: bool = False
-    """with --resume FOLDER: no update; write its models to output_dir as the final ones (from_pretrained)"""
+    """with --resume FOLDER: no update; write its models to output_dir as the final ones"""
     # --- models and data
     model_name_or_path: str = "builtin"
     """policy (SFT) checkpoint, hub name or folder; `builtin`: the toy task's tiny Llama"""
@@ -113,7 +114,7 @@ class Args:
     max_prompt_length: Optional[int] = None
     """most tokens of a prompt; default: the policy's context minus --response_length"""
     overlong_prompts: Literal["error", "filter", "truncate_left"] = "error"
-    """prompts over max_prompt_length: error, filter (leave out), truncate_left (keep the last; chat rows: filter)"""
+    """prompts over max_prompt_length: error, filter (leave out), truncate_left (chat: filter)"""
     trust_remote_code: bool = False
     """allow models and tokenizers that ship their own code"""
     # --- rollout
@@ -154,7 +155,8 @@ class Args:
     """passes over each rollout batch"""
     num_generations: int = 1
     """k: responses per prompt, in consecutive rows of one device (batch sizes count responses)"""
-    advantage_estimator: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
+    advantage_estimator: Literal["gae", "rloo", "grpo", "dr_grpo", "reinforce_pp",
+                                 "reinforce_pp_baseline"] = "gae"
     """gae: PPO's value model; the others are value-free (baselined_scores)"""
     kl_coef: float = 0.05
     """β, the KL coefficient (0: no reference model is loaded)"""
@@ -175,7 +177,7 @@ class Args:
     dual_clip: Optional[float] = None
     """c > 1: where A < 0 a token's loss is at most c·|A| (dual clip); unset: off"""
     policy_loss: Literal["clip", "cispo", "sapo"] = "clip"
-    """clip: PPO's; cispo: MiniMax-M1's truncated weight; sapo: Qwen's soft gate (these two: no ratio hint)"""
+    """clip: PPO's; cispo: MiniMax-M1's truncated weight; sapo: Qwen's soft gate"""
     cispo_max: float = 5.0
     """the cap of CISPO's weight sg(min(ρ, c)) (ScaleRL's 5)"""
     sapo_temperature_pos: float = 1.0
@@ -188,8 +190,9 @@ class Args:
     """δ: responses with A < 0 and mean_t log(μ/π_θ) > δ leave the policy loss (DeepSeek-V3.2)"""
     filter_zero_std_groups: bool = False
     """groups whose scores all equal leave the loss (A = 0 there, yet they dilute the token mean)"""
-    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    """weight L_clip by w = π_old/μ, the sampler's mismatch (bf16/fp16), per token or response (rollout_weights)"""
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
+                                "sequence_mask"] = "none"
+    """weight L_clip by w = π_old/μ, the sampler's mismatch (bf16/fp16), per token or response"""
     rollout_correction_cap: float = 3.0
     """C of --rollout_correction: min(w, C) (truncate) or 0 where w > C (mask)"""
     loss_agg: Optional[
@@ -214,12 +217,12 @@ class Args:
     replay_correction: Optional[Literal["naive", "decoupled"]] = None
     """naive: ρ = π_θ/μ (μ: the sampler); decoupled: π_θ/π_prox, weighted π_prox/μ (0 above c)"""
     replay_weight_cap: Optional[float] = None
-    """c of --replay_correction decoupled: tokens whose π_prox/μ exceeds it leave the loss (unset: 2)"""
+    """c of --replay_correction decoupled: tokens with π_prox/μ > c leave the loss (unset: 2)"""
     # --- optimisation
     learning_rate: float = 1e-3
     """AdamW learning rate (suits the toy task; real models want ~1e-6 to 3e-6)"""
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
-    """the learning rate over the updates (transformers' get_scheduler): linear to 0, cosine, constant"""
+    """the learning rate over the updates (get_scheduler): linear to 0, cosine, constant"""
     warmup_ratio: float = 0.0
     """share of the updates that warm the learning rate up from 0 (linear, cosine)"""
     max_grad_norm: float = 1.0
@@ -235,7 +238,7 @@ class Args:
     """with --lora_r: also write policy_merged/, the base with the adapter merged in"""
     # --- system; distributed: under torchrun, batch sizes above per device
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """autocast dtype; trained weights, AdamW and π_ref (as π_θ) stay fp32, reward models this one"""
+    """autocast dtype; trained weights, AdamW and π_ref (as π_θ) fp32, reward models this one"""
     save_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     """dtype of the saved policy and value model (auto: the source checkpoint's)"""
     gradient_checkpointing: bool = False
@@ -265,13 +268,15 @@ def masked_whiten(x, mask, mean, var, shift_mean=True):
 
 def is_stop(tokens, stop_token_ids):
     """Which tokens are stop ids (a list of ints; none: no token is). Same shape as tokens."""
-    return torch.isin(tokens, torch.tensor(stop_token_ids, dtype=tokens.dtype, device=tokens.device))
+    return torch.isin(tokens,
+                      torch.tensor(stop_token_ids, dtype=tokens.dtype, device=tokens.device))
 
 
 def response_lengths(responses, stop_token_ids):
-    """Real tokens per response (B, R) -> (B,): up to and including the first stop id, else all R."""
+    """Real tokens per response (B, R) -> (B,): up to and including the first stop id, else R."""
     R = responses.shape[1]
-    ends = torch.arange(1, R + 1, device=responses.device)  # the length if a token is the first stop
+    # the length if a token is the first stop
+    ends = torch.arange(1, R + 1, device=responses.device)
     return torch.where(is_stop(responses, stop_token_ids), ends, R).min(-1).values
 
 
@@ -305,7 +310,8 @@ def shaped_scores(scores, lengths, std, args):
         scores = scores - args.length_penalty * lengths
     if args.overlong_buffer:
         expected = args.response_length - args.overlong_buffer
-        scores = scores - args.overlong_penalty * (lengths - expected).clamp(min=0) / args.overlong_buffer
+        over = (lengths - expected).clamp(min=0) / args.overlong_buffer
+        scores = scores - args.overlong_penalty * over
     return scores
 
 
@@ -497,11 +503,12 @@ def aggregate(x, mask, loss_agg, response_length):
 def forward_kwargs(input_ids, attention_mask):
     """position_ids count real tokens: left padding changes nothing (GPT-2 is off without)."""
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                use_cache=False)
 
 
 def backbone(model):
-    """The decoder stack of a causal LM or sequence classifier (under peft, of the model it wraps)."""
+    """The decoder stack of a causal LM or sequence classifier (under peft: of its base model)"""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     return getattr(model, model.base_model_prefix)
 
@@ -510,7 +517,8 @@ def forward(model, input_ids, attention_mask, keep):
     """One forward over a padded batch (B, S) -> the last `keep` positions: logits (B, keep, V), or
     the scalar (B, keep) of a sequence classifier's `score` head."""
     if hasattr(model, "score"):  # on the backbone's last hidden states
-        hidden = backbone(model)(**forward_kwargs(input_ids, attention_mask)).last_hidden_state[:, -keep:]
+        hidden = backbone(model)(**forward_kwargs(input_ids, attention_mask)).last_hidden_state
+        hidden = hidden[:, -keep:]
         return model.score(hidden).squeeze(-1).float()
     return model(**forward_kwargs(input_ids, attention_mask), logits_to_keep=keep).logits
 
@@ -525,10 +533,12 @@ def token_logprobs(logits, tokens, temperature):
     entropy H = −Σ_v π_v·log π_v, float32. (..., V), (...) -> (...), (...)."""
     z = logits.float() / temperature
     log_softmax = z - z.logsumexp(-1, keepdim=True)  # log π over the vocabulary
-    return log_softmax.gather(-1, tokens[..., None]).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return log_softmax.gather(-1, tokens[..., None]).squeeze(-1), entropy
 
 
-def response_logprobs(policy, query_responses, attention_mask, context_length, temperature, head=None):
+def response_logprobs(policy, query_responses, attention_mask, context_length, temperature,
+                      head=None):
     """log π(y_t|s_t), entropy (B, R): position context_length−1+t predicts y_t; head or None."""
     responses = query_responses[:, context_length:]
     ids, mask, R = query_responses[:, :-1], attention_mask[:, :-1], responses.shape[1]
@@ -551,7 +561,8 @@ def prompt_indices(num_prompts, batch_size, update, seed, rank=0, world_size=1):
     start = (update * world_size + rank) * batch_size
     passes = range(start // num_prompts, (start + batch_size - 1) // num_prompts + 1)
     seeds = [seed * 1_000_003 + p for p in passes]  # not seed + p: seeds would share passes
-    stream = torch.cat([torch.randperm(num_prompts, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    stream = torch.cat([torch.randperm(num_prompts,
+                                       generator=torch.Generator().manual_seed(s)) for s in seeds])
     offset = start - passes[0] * num_prompts
     return stream[offset : offset + batch_size]
 
@@ -563,21 +574,24 @@ def left_pad(sequences, pad_token_id):
     return ids, pad([torch.ones(len(s), dtype=torch.bool) for s in sequences], True, False, "left")
 
 
-def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_ids, pad_token_id, sync_ranks=False,
-             generator=None):
+def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_token_ids, pad_token_id,
+             sync_ranks=False, generator=None):
     """y_t ~ softmax(z_t / T) (T = 0: argmax) with a KV cache -> responses, log π_old(y_t|s_t)
     (B, L), pad and 0 after a stop id. sync_ranks: step until all ranks are done (FSDP)."""
     # exactly the policy we train (no top-k/top-p); T = 0 gets T = 1's log-probs; under no_grad
-    keyword = "cache" if "cache" in inspect.signature(backbone(policy).forward).parameters else "past_key_values"
-    cache = {keyword: transformers.DynamicCache(config=policy.config)}  # "cache": transformers >= 5.24
+    cache_in = "cache" in inspect.signature(backbone(policy).forward).parameters
+    keyword = "cache" if cache_in else "past_key_values"
+    # "cache": transformers >= 5.24
+    cache = {keyword: transformers.DynamicCache(config=policy.config)}
     ids, mask, positions = queries, query_mask, (query_mask.cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens, logprobs = [], []
     for _ in range(max_new_tokens):
-        out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                     **cache)
+        out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                     logits_to_keep=1, **cache)
         logp = torch.log_softmax(out.logits[:, -1].float() / (temperature or 1.0), dim=-1)  # (B, V)
-        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1) if temperature else logp.argmax(-1)
+        sampled = temperature and torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        token = sampled if temperature else logp.argmax(-1)
         token = token.masked_fill(done, pad_token_id)
         tokens.append(token)
         logprobs.append(logp.gather(1, token[:, None]).squeeze(1).masked_fill(done, 0.0))
@@ -592,9 +606,11 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
 def rollout(models, queries, query_mask, args, rt, temperature=None, generator=None):
     """Phase 1: a response to each query (B, P) from π_old, with log π_old -> query_responses,
     attention_mask, response_mask (B, R), lengths, truncated (B,), logprobs, context_length."""
-    chunk, pad, stop = args.local_rollout_forward_batch_size, models.pad_token_id, models.stop_token_ids
+    chunk, pad = args.local_rollout_forward_batch_size, models.pad_token_id
+    stop = models.stop_token_ids
     with rt.no_grad(), rt.autocast(), gathered(models.policy, rt.fsdp and args.rollout_unshard):
-        generated = [generate(models.policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
+        generated = [generate(models.policy, queries[i : i + chunk], query_mask[i : i + chunk],
+                              args.response_length,
                               args.temperature if temperature is None else temperature, stop, pad,
                               sync_ranks=rt.fsdp and not args.rollout_unshard, generator=generator)
                      for i in range(0, len(queries), chunk)]
@@ -604,8 +620,8 @@ def rollout(models, queries, query_mask, args, rt, temperature=None, generator=N
     response_mask = torch.arange(R, device=responses.device) < lengths[:, None]
     truncated = ~(is_stop(responses, stop) & response_mask).any(1)  # no stop id: all
     return dict(query_responses=torch.cat([queries, responses], 1), context_length=queries.shape[1],
-                attention_mask=torch.cat([query_mask, response_mask], 1), response_mask=response_mask,
-                lengths=lengths, truncated=truncated,
+                attention_mask=torch.cat([query_mask, response_mask], 1),
+                response_mask=response_mask, lengths=lengths, truncated=truncated,
                 logprobs=torch.cat([F.pad(lp, (0, R - lp.shape[1])) for _, lp in generated]))
 
 
@@ -624,10 +640,13 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
     source_scores (B, S; NaN: None), raw_scores Σ w·s (B,), scored (B,; False: every source gave
     None, raw score 0); logprobs: log π_old as training computes it (bf16/fp16: recomputed; fp32:
     μ), sampler_logprobs μ. scores_only: reward sources only."""
-    context_length, lengths, mask = batch["context_length"], batch["lengths"], batch["response_mask"]
-    sampler_logprobs = batch["logprobs"]  # μ (B, R), also log π_old unless bf16/fp16 recompute it below
+    context_length, lengths = batch["context_length"], batch["lengths"]
+    mask = batch["response_mask"]
+    # μ (B, R), also log π_old unless bf16/fp16 recompute it below
+    sampler_logprobs = batch["logprobs"]
     logprobs = sampler_logprobs.clone() if rt.low_dtype else sampler_logprobs
-    ref_logprobs = logprobs if models.ref_policy is None else torch.zeros_like(logprobs)  # None: KL 0
+    # None: KL 0
+    ref_logprobs = logprobs if models.ref_policy is None else torch.zeros_like(logprobs)
     values = torch.zeros_like(logprobs)
     rm_scores = [torch.zeros(len(mask), device=rt.device) for _ in models.reward_models]
     chunk = args.local_rollout_forward_batch_size
@@ -635,24 +654,31 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
         for rows_i, L, ids, ids_mask in response_chunks(batch, chunk):
             if models.ref_policy is not None and not scores_only:
                 with models.reference():  # LoRA: the policy with its adapter off
-                    ref_logprobs[rows_i, :L] = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
-                                                                 args.temperature, models.ref_head)[0]
+                    ref_logprobs[rows_i, :L] = response_logprobs(
+                        models.ref_policy, ids, ids_mask, context_length, args.temperature,
+                        models.ref_head)[0]
             if models.value_model is not None and not scores_only:
                 values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, context_length)
-            if rt.low_dtype and not scores_only:  # log π_old as training computes it: the first ρ is 1
-                logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask, context_length,
-                                                         args.temperature, models.policy_head)[0]
+            # log π_old as training computes it: the first ρ is 1
+            if rt.low_dtype and not scores_only:
+                logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask,
+                                                         context_length, args.temperature,
+                                                         models.policy_head)[0]
             for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
                 if reward_tokenizer is None:  # the policy's token ids, read at the last real token
                     token_scores = forward(reward_model, ids, ids_mask, L)  # (b, L)
-                    rm_scores[j][rows_i] = token_scores.gather(1, lengths[rows_i, None] - 1).squeeze(1)
-    responses = [r[context_length : context_length + n] for r, n in zip(batch["query_responses"].tolist(),
-                                                                         lengths.tolist())]
+                    last = lengths[rows_i, None] - 1
+                    rm_scores[j][rows_i] = token_scores.gather(1, last).squeeze(1)
+    responses = [r[context_length : context_length + n]
+                 for r, n in zip(batch["query_responses"].tolist(), lengths.tolist())]
     completions = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
     # the reward models that read text with their own tokenizer, and the reward functions: (B, S)
-    source_scores = text_scores(models, rm_scores, prompts, rows, completions, responses, trainer_state, chunk, rt)
-    return dict(logprobs=logprobs.masked_fill(~mask, 0.0), ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
-                values=values.masked_fill(~mask, 0.0), completions=completions, source_scores=source_scores,
+    source_scores = text_scores(models, rm_scores, prompts, rows, completions, responses,
+                                trainer_state, chunk, rt)
+    return dict(logprobs=logprobs.masked_fill(~mask, 0.0),
+                ref_logprobs=ref_logprobs.masked_fill(~mask, 0.0),
+                values=values.masked_fill(~mask, 0.0), completions=completions,
+                source_scores=source_scores,
                 raw_scores=(source_scores * models.reward_weights).nansum(1),
                 sampler_logprobs=sampler_logprobs, scored=~source_scores.isnan().all(1))
 
@@ -684,6 +710,10 @@ def advantages_and_returns(scores, scored, kl, kl_coef, values, mask, loss_mask,
     return penalties, rewards, advantages, returns
 
 
+MICRO_BATCH_KEYS = ("logprobs", "ref_logprobs", "values", "advantages", "returns", "weights",
+                    "sampler_logprobs")  # (B, R) tensors a micro-batch takes
+
+
 def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
     """Phase 5: num_ppo_epochs passes over this rank's batch, a step per minibatch. -> stats (per
     micro-batch), stop_reason, optimizer_steps (those taken), train_tokens."""
@@ -691,19 +721,20 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
     params = [p for p in model.parameters() if p.requires_grad]
     stats, stop_reason, optimizer_steps, train_tokens = defaultdict(list), None, 0, 0
     for epoch in range(args.num_ppo_epochs):
-        for mb_rows in torch.randperm(len(lengths), device=lengths.device).split(sizes.local_mini_batch_size):
+        order = torch.randperm(len(lengths), device=lengths.device)
+        for mb_rows in order.split(sizes.local_mini_batch_size):
             # tokens and responses in the global minibatch's loss (--mask_truncated_completions)
             loss_mask = batch["loss_mask"][mb_rows]
-            mb_tokens, mb_responses = all_ranks_sum(torch.stack([loss_mask.sum(), loss_mask.any(1).sum()]).float())
+            mb_tokens, mb_responses = all_ranks_sum(torch.stack([loss_mask.sum(),
+                                                                 loss_mask.any(1).sum()]).float())
             if mb_tokens == 0:  # no token in the loss: no step
                 continue
-            approxkl_sum = torch.zeros((), device=lengths.device)  # Σ over its tokens on this rank
-            non_finite = torch.zeros((), device=lengths.device)
+            # Σ approxkl over its tokens on this rank, and a count of non-finite losses
+            approxkl_sum, non_finite = torch.zeros(2, device=lengths.device)
             micro_batches = mb_rows.split(sizes.micro_batch_size)
             for i, rows in enumerate(micro_batches):
                 L = lengths[rows].max().item()  # pay only for real tokens
-                mb = {k: batch[k][rows, :L] for k in ("logprobs", "ref_logprobs", "values", "advantages",
-                                                      "returns", "weights", "sampler_logprobs") if k in batch}
+                mb = {k: batch[k][rows, :L] for k in MICRO_BATCH_KEYS if k in batch}
                 mb.update({"age": batch["age"][rows]} if "age" in batch else {})  # replay_batch's
                 mb["response_mask"] = batch["loss_mask"][rows, :L]  # the tokens in the loss
                 # the whole minibatch's loss on all ranks: this micro-batch's share of its tokens
@@ -714,25 +745,26 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                 with gradient_sync(model, i == len(micro_batches) - 1):  # after its last
                     with rt.autocast():
                         width = context_length + L  # log π_θ(y_t|s_t), its entropy, V(s_t) (B, R)
-                        new_logprobs, entropy, new_values = model(batch["query_responses"][rows, :width],
-                                                                  batch["attention_mask"][rows, :width],
-                                                                  context_length, args.temperature)
-                    policy_term, vf_loss, losses, tokens = ppo_loss(new_logprobs, entropy, new_values, mb,
-                                                                    batch["kl_coef"], args)
+                        ids = batch["query_responses"][rows, :width]
+                        ids_mask = batch["attention_mask"][rows, :width]
+                        new_logprobs, entropy, new_values = model(ids, ids_mask, context_length,
+                                                                  args.temperature)
+                    policy_term, vf_loss, losses, tokens = ppo_loss(
+                        new_logprobs, entropy, new_values, mb, batch["kl_coef"], args)
                     loss = policy_term * policy_share
                     if vf_loss is not None:
                         loss = loss + args.vf_coef * vf_loss * token_share
                     non_finite += ~torch.isfinite(loss)  # voted on by all ranks below
                     scaler.scale(loss).backward()
                 update_stats(stats, mb, entropy, losses, tokens)
-                approxkl = torch.where(mb["response_mask"], tokens["approxkl"].detach(), 0.0)
-                approxkl_sum += approxkl.sum()
-                train_tokens += batch["attention_mask"][rows, :width].sum().item()
+                approxkl_sum += tokens["approxkl"].detach().where(mb["response_mask"], 0.0).sum()
+                train_tokens += ids_mask.sum().item()
             # early stop and the non-finite vote use every rank's numbers: all take the same path
             approxkl_sum, non_finite = all_ranks_sum(torch.stack([approxkl_sum, non_finite]))
             approxkl = approxkl_sum / mb_tokens  # the minibatch's token mean over all ranks
             stats["policy/approxkl_avg"].append(approxkl)
-            grad_norm = None if non_finite else optimizer_step(optimizer, scaler, params, args.max_grad_norm)
+            grad_norm = None if non_finite else optimizer_step(optimizer, scaler, params,
+                                                               args.max_grad_norm)
             if grad_norm is None:
                 stop_reason = "non-finite loss" if non_finite else "non-finite gradient"
                 break
@@ -746,7 +778,8 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
             break
     optimizer.zero_grad(set_to_none=True)
     return SimpleNamespace(stats=stats, stop_reason=stop_reason, optimizer_steps=optimizer_steps,
-                           train_tokens=train_tokens, steps_per_epoch=len(lengths) // sizes.local_mini_batch_size)
+                           train_tokens=train_tokens,
+                           steps_per_epoch=len(lengths) // sizes.local_mini_batch_size)
 
 
 def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
@@ -774,8 +807,8 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
         policy_term = policy_term - args.entropy_coef * agg(entropy)
     vf_loss = None
     if new_values is not None:
-        vf_loss, losses["val/clipfrac_avg"] = value_loss(new_values.float(), mb["values"], mb["returns"], mask,
-                                                         args.cliprange_value)
+        vf_loss, losses["val/clipfrac_avg"] = value_loss(new_values.float(), mb["values"],
+                                                         mb["returns"], mask, args.cliprange_value)
         losses["loss/value_avg"] = vf_loss
     return policy_term, vf_loss, losses, tokens
 
@@ -789,17 +822,19 @@ def main(args: Args):
     output_dir = run_folder(args, rt)
     if output_dir is None:  # --resume auto on a finished run: it says so, nothing is redone
         return None
-    inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # before models load
+    inputs = agreed(check_inputs, args, model_path, dataset, eval_dataset, output_dir)  # no model
     prompts = inputs.prompts
     torch.manual_seed(args.seed)  # a new value head: the same on all ranks
-    models, model = load_models(args, model_path, inputs, rt)  # model: policy and value as one, DDP or FSDP2
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-8,
-                                  weight_decay=0.0, fused=rt.device.type in ("cpu", "cuda"))  # fp32 state
-    warmup, steps = math.ceil(args.warmup_ratio * sizes.num_updates), sizes.num_updates  # one per update
+    models, model = load_models(args, model_path, inputs, rt)  # model: policy and value as one
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],  # fp32 state
+                                  lr=args.learning_rate, eps=1e-8, weight_decay=0.0,
+                                  fused=rt.device.type in ("cpu", "cuda"))
+    warmup, steps = math.ceil(args.warmup_ratio * sizes.num_updates), sizes.num_updates  # updates
     lr_scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, warmup, steps)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16 needs scaling
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16: scaled
     log = Logger(args, output_dir, sizes, rt, inputs, models)
-    start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models)
+    start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt,
+                                    log, models)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     last_update = start_update if args.export_checkpoint else sizes.num_updates
     saved = (model, optimizer, lr_scheduler, scaler, args, rt, models, log)  # checkpoint() saves
@@ -810,7 +845,8 @@ def main(args: Args):
         ON_FAILURE[:] = [save] if update else []
         # each rank its own slice of the global batch and its own seed (ints hash to themselves):
         # a resumed run continues exactly, with no RNG state to restore
-        rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed, rt.rank, rt.world_size)
+        rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed, rt.rank,
+                              rt.world_size)
         rows = rows.repeat_interleave(args.num_generations).tolist()  # a group: k rows
         random.seed(hash((args.seed, update, rt.rank)))
         torch.manual_seed(hash((args.seed, update, rt.rank)) % 2**63)
@@ -823,7 +859,8 @@ def main(args: Args):
         log.lap("generate")
 
         # 2. score: log π_ref and V(s_t) of every response token, and the score of each response
-        batch.update(score(models, batch, prompts, rows, args, rt, trainer_state(update, sizes, args, prompts)))
+        batch.update(score(models, batch, prompts, rows, args, rt,
+                           trainer_state(update, sizes, args, prompts)))
         scored = batch["scored"]  # (B,): False where no reward source scored the row (None)
         warn_unscored(scored, prompts, rows, models, update)  # over all ranks
         scores = batch["raw_scores"]  # (B,)
@@ -832,8 +869,8 @@ def main(args: Args):
         std = 1.0
         if args.score_scaling == "running_std":  # moments of the global batch (all ranks)
             mean, var = global_mean_var(scores, scored)
-            progress["score_moments"], std = running_moments(progress["score_moments"], mean.item(), var.item(),
-                                                             sizes.batch_size)
+            progress["score_moments"], std = running_moments(progress["score_moments"], mean.item(),
+                                                             var.item(), sizes.batch_size)
         scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # as the flags say
         if args.rollout_correction != "none":  # w = π_old/μ: the sampler's mismatch (bf16/fp16)
             batch["weights"] = rollout_weights(batch["logprobs"], batch["sampler_logprobs"], mask,
@@ -841,7 +878,8 @@ def main(args: Args):
         log.lap("score")
 
         # 3. KL: KL_t of every response token, an estimate of KL(π_old‖π_ref) from its samples
-        kl = torch.where(mask, kl_estimate(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator), 0.0)
+        kl = kl_estimate(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator)
+        kl = kl.where(mask, 0.0)
 
         # 4. rewards and advantages: r_t = −β·KL_t (unless the KL is a loss term), plus the score
         # (minus its group's baseline, value-free) on the last real token; GAE, whitened over the
@@ -850,7 +888,8 @@ def main(args: Args):
         loss_mask = mask & baselined[:, None]  # a row no reward source scored: out
         if args.mask_truncated_completions:
             loss_mask = loss_mask & ~batch["truncated"][:, None]
-        if args.filter_zero_std_groups:  # a group of equal scores has A = 0, yet it dilutes the mean
+        # a group of equal scores has A = 0, yet it dilutes the mean
+        if args.filter_zero_std_groups:
             equal = equal_score_groups(scores, args.num_generations)
             loss_mask = loss_mask & ~equal.repeat_interleave(args.num_generations)[:, None]
         penalties, rewards, advantages, returns = advantages_and_returns(
@@ -867,9 +906,10 @@ def main(args: Args):
         trained = ppo_epochs(model, optimizer, scaler, train_batch, args, sizes, rt)
         lr = lr_scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # no warning if no step was taken
-            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
             lr_scheduler.step()
-        progress["bad_updates"] = log.count_bad_updates(progress["bad_updates"], trained.stop_reason, update)
+        progress["bad_updates"] = log.count_bad_updates(progress["bad_updates"],
+                                                        trained.stop_reason, update)
         log.lap("train")
 
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
@@ -882,8 +922,8 @@ def main(args: Args):
             metrics.update(eval_metrics)
         log.update(update, lr, metrics, token_counts, batch, prompts, rows, samples)
         if args.adaptive_kl_target is not None:  # the global KL: the same β everywhere
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.adaptive_kl_target, sizes.batch_size,
-                                       args.adaptive_kl_horizon)
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.adaptive_kl_target,
+                                       sizes.batch_size, args.adaptive_kl_horizon)
         if checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, *saved):  # a signal
             return log.last
     ON_FAILURE.clear()
@@ -1307,7 +1347,8 @@ def replay_batch(progress, batch, update, models, args, rt):
     batch["replay_metrics"] = {**dict(zip(ratios, (sums[::2] / sums[1::2]).tolist())),
                                "replay/weight_max": weight_max}
     train["sampler_logprobs"] = mu  # (--off_policy_mask_threshold)
-    if args.replay_correction == "decoupled":  # clip around π_prox (Hilton et al. 2021), weight π_prox/μ,
+    # clip around π_prox (Hilton et al. 2021), weight π_prox/μ,
+    if args.replay_correction == "decoupled":
         train["weights"] = rollout_weights(prox, mu, mask, "token_mask", cap)  # 0 above c as AReaL
         train["logprobs"] = prox  # the ratio's denominator
     return train
@@ -1857,9 +1898,11 @@ class PolicyAndValue(torch.nn.Module):
 
     def __init__(self, policy, value_model, fused_head=False):
         super().__init__()
-        self.policy, self.value_model, self.fused_head = policy, value_model, fused_head  # fused: hidden
+        # fused: hidden
+        self.policy, self.value_model, self.fused_head = policy, value_model, fused_head
 
-    def forward(self, query_responses, attention_mask, context_length, temperature):  # -> (B, R) x 3
+    # -> (B, R) x 3
+    def forward(self, query_responses, attention_mask, context_length, temperature):
         head = self.policy.get_output_embeddings() if self.fused_head else None
         logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length,
                                               temperature, head)  # log π_θ(y_t|s_t), its entropy
@@ -1874,17 +1917,20 @@ def wrap_for_training(models, args, rt):
     for model in trained if args.gradient_checkpointing else []:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24
         (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
-    model = PolicyAndValue(models.policy, models.value_model, fused_head=models.policy_head is not None)
+    model = PolicyAndValue(models.policy, models.value_model,
+                           fused_head=models.policy_head is not None)
     if rt.fsdp:  # --shard_frozen_models: the frozen models too, but LoRA's reference is the policy
         frozen = [m for m in (models.ref_policy, *[rm for rm, _ in models.reward_models])
                   if args.shard_frozen_models and m not in (None, models.policy)]
-        for module in [m for m in trained + frozen if not any(hasattr(x, "unshard") for x in m.modules())]:
+        for module in [m for m in trained + frozen if not any(hasattr(x, "unshard")
+                                                              for x in m.modules())]:
             shard(module, module in frozen, rt)
     elif rt.torchrun:
         ddp = torch.nn.parallel.DistributedDataParallel
         no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
                           else "broadcast_buffers": False}  # buffers are constants
-        model = ddp(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None, **no_buffer_sync)
+        model = ddp(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+                    **no_buffer_sync)
     return model
 
 
@@ -1902,8 +1948,9 @@ def shard(model, frozen=False, rt=Runtime()):
 
 
 def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
-    """FSDP2: build on the meta device, shard, read each rank's slices of the safetensors files.
-    -> (model, missing and unused keys), or None: loaded whole, as in one process (said in one line)."""
+    """FSDP2: build on the meta device, shard, read each rank's slices of the safetensors files. ->
+    (model, missing and unused keys), or None: loaded whole, as in one process (said in one
+    line)."""
     from glob import glob
     from safetensors import safe_open
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
@@ -1912,7 +1959,8 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
     for file in glob(os.path.join(folder, "*.safetensors")):
         with safe_open(file, "pt") as f:
             stored.update(f.keys())
-    # parameters on the meta device as they are made (no memory, no init), buffers real: RoPE's inv_freq is in
+    # parameters on the meta device as they are made (no memory, no init), buffers real: RoPE's
+    # inv_freq is in
     # no checkpoint; a tied weight is registered twice, the second time already on meta
     hook = torch.nn.modules.module.register_module_parameter_registration_hook(
         lambda module, name, p: p if p.is_meta else torch.nn.Parameter(p.to("meta"), p.requires_grad))
@@ -1921,20 +1969,24 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
     finally:
         hook.remove()
     wanted = model.state_dict().keys() - tied_aliases(model)  # a tied weight is stored once
-    missing = {k for k in wanted - stored if k.startswith("score.")}  # a new head: initialised as transformers does
+    # a new head: initialised as transformers does
+    missing = {k for k in wanted - stored if k.startswith("score.")}
     if not stored or wanted - stored - missing:  # said once, by rank 0
         return rt.rank == 0 and say(f"note: --{flag} {path!r}: not a folder of safetensors files with every weight, "
                                     "so each rank loads it whole, then shards it")
-    buffers = {k: b.clone() for k, b in model.named_buffers()}  # to_empty() would leave them uninitialised
+    # to_empty() would leave them uninitialised
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
     shard(model, frozen, rt)
     model.to_empty(device=rt.device)
     for key, buffer in buffers.items():  # on the device, where the inputs are
         model.get_buffer(key).data = buffer.to(rt.device)
     weights = get_model_state_dict(model)  # this rank's shards, by name
-    load({k: v for k, v in weights.items() if k in wanted - missing}, storage_reader=HuggingFaceStorageReader(folder))
+    load({k: v for k, v in weights.items() if k in wanted - missing},
+         storage_reader=HuggingFaceStorageReader(folder))
     if missing:  # a whole head on every rank (the same seed), then its shard
         score = model.score
-        with torch.device("meta"):  # made without drawing random numbers, then as from_pretrained does
+        # made without drawing random numbers, then as from_pretrained does
+        with torch.device("meta"):
             head = torch.nn.Linear(score.in_features, score.out_features, score.bias is not None)
         model._init_weights(head.to_empty(device="cpu"))
         set_model_state_dict(model, {f"score.{k}": v for k, v in head.state_dict().items()},
