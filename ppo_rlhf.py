@@ -275,8 +275,7 @@ def is_stop(tokens, stop_token_ids):
 def response_lengths(responses, stop_token_ids):
     """Real tokens per response (B, R) -> (B,): up to and including the first stop id, else R."""
     R = responses.shape[1]
-    # the length if a token is the first stop
-    ends = torch.arange(1, R + 1, device=responses.device)
+    ends = torch.arange(1, R + 1, device=responses.device)  # the length if the first stop
     return torch.where(is_stop(responses, stop_token_ids), ends, R).min(-1).values
 
 
@@ -581,8 +580,7 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
     # exactly the policy we train (no top-k/top-p); T = 0 gets T = 1's log-probs; under no_grad
     cache_in = "cache" in inspect.signature(backbone(policy).forward).parameters
     keyword = "cache" if cache_in else "past_key_values"
-    # "cache": transformers >= 5.24
-    cache = {keyword: transformers.DynamicCache(config=policy.config)}
+    cache = {keyword: transformers.DynamicCache(config=policy.config)}  # "cache": >= 5.24
     ids, mask, positions = queries, query_mask, (query_mask.cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens, logprobs = [], []
@@ -642,11 +640,9 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
     μ), sampler_logprobs μ. scores_only: reward sources only."""
     context_length, lengths = batch["context_length"], batch["lengths"]
     mask = batch["response_mask"]
-    # μ (B, R), also log π_old unless bf16/fp16 recompute it below
-    sampler_logprobs = batch["logprobs"]
+    sampler_logprobs = batch["logprobs"]  # μ (B, R), also log π_old unless bf16/fp16 (below)
     logprobs = sampler_logprobs.clone() if rt.low_dtype else sampler_logprobs
-    # None: KL 0
-    ref_logprobs = logprobs if models.ref_policy is None else torch.zeros_like(logprobs)
+    ref_logprobs = logprobs if models.ref_policy is None else torch.zeros_like(logprobs)  # KL 0
     values = torch.zeros_like(logprobs)
     rm_scores = [torch.zeros(len(mask), device=rt.device) for _ in models.reward_models]
     chunk = args.local_rollout_forward_batch_size
@@ -659,8 +655,7 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
                         models.ref_head)[0]
             if models.value_model is not None and not scores_only:
                 values[rows_i, :L] = state_values(models.value_model, ids, ids_mask, context_length)
-            # log π_old as training computes it: the first ρ is 1
-            if rt.low_dtype and not scores_only:
+            if rt.low_dtype and not scores_only:  # log π_old as training computes it: ρ_1 = 1
                 logprobs[rows_i, :L] = response_logprobs(models.policy, ids, ids_mask,
                                                          context_length, args.temperature,
                                                          models.policy_head)[0]
@@ -888,8 +883,7 @@ def main(args: Args):
         loss_mask = mask & baselined[:, None]  # a row no reward source scored: out
         if args.mask_truncated_completions:
             loss_mask = loss_mask & ~batch["truncated"][:, None]
-        # a group of equal scores has A = 0, yet it dilutes the mean
-        if args.filter_zero_std_groups:
+        if args.filter_zero_std_groups:  # equal scores: A = 0, yet it dilutes the mean
             equal = equal_score_groups(scores, args.num_generations)
             loss_mask = loss_mask & ~equal.repeat_interleave(args.num_generations)[:, None]
         penalties, rewards, advantages, returns = advantages_and_returns(
@@ -1302,8 +1296,8 @@ def exact_kl(models, batch, args, rt):
 # What a batch keeps, fixed when it was sampled: μ = its log π_old (logprobs), log π_ref, its
 # scores and KL_t, its β. Per rank N·B·(9·P + 23·R) bytes for N batches of B rows of P + R tokens
 # (ids int64, masks bool, 3 float32 rows): no logits.
-REPLAY_KEYS = ("query_responses", "attention_mask", "response_mask", "loss_mask", "lengths", "logprobs",
-               "ref_logprobs", "scores", "scored", "kl")
+REPLAY_KEYS = ("query_responses", "attention_mask", "response_mask", "loss_mask", "lengths",
+               "logprobs", "ref_logprobs", "scores", "scored", "kl")
 
 
 def replay_batch(progress, batch, update, models, args, rt):
@@ -1340,16 +1334,17 @@ def replay_batch(progress, batch, update, models, args, rt):
     ratios = {"replay/share": (replayed, mask), "replay/mean_age": (age, mask),
               **{f"replay/kl_age{a}": (k3, mask & (age == a))
                  for a in range(1, args.replay_rounds + 1)},
-              "replay/weight_mean": (weight, replayed), "replay/weight_masked": (weight > cap, replayed)}
+              "replay/weight_mean": (weight, replayed),
+              "replay/weight_masked": (weight > cap, replayed)}
     sums = all_ranks_sum(torch.stack([y.sum().double() for x, m in ratios.values()
                                       for y in (x * m, m)]))
     weight_max = max(all_ranks_objects(torch.where(replayed, weight, -math.inf).max().item()))
     batch["replay_metrics"] = {**dict(zip(ratios, (sums[::2] / sums[1::2]).tolist())),
                                "replay/weight_max": weight_max}
     train["sampler_logprobs"] = mu  # (--off_policy_mask_threshold)
-    # clip around π_prox (Hilton et al. 2021), weight π_prox/μ,
+    # decoupled: clip around π_prox (Hilton et al. 2021), weight π_prox/μ, 0 above c as AReaL
     if args.replay_correction == "decoupled":
-        train["weights"] = rollout_weights(prox, mu, mask, "token_mask", cap)  # 0 above c as AReaL
+        train["weights"] = rollout_weights(prox, mu, mask, "token_mask", cap)
         train["logprobs"] = prox  # the ratio's denominator
     return train
 
@@ -1800,7 +1795,8 @@ class Runtime:
     low_dtype: Optional[torch.dtype] = None
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.low_dtype) if self.low_dtype else nullcontext()
+        on = self.low_dtype is not None
+        return torch.autocast(self.device.type, dtype=self.low_dtype) if on else nullcontext()
 
     def no_grad(self):  # for the rollout: FSDP2 cannot reuse weights gathered under inference_mode
         return torch.no_grad() if self.fsdp else torch.inference_mode()
@@ -1876,7 +1872,8 @@ def one_line(exception):
     """An exception as one line: type, the first line of its message, and file:line."""
     where = traceback.extract_tb(exception.__traceback__)[-1]
     message = (str(exception).strip().splitlines() or [""])[0]
-    return f"{type(exception).__name__}: {message} ({os.path.basename(where.filename)}:{where.lineno}, in {where.name})"
+    file = os.path.basename(where.filename)
+    return f"{type(exception).__name__}: {message} ({file}:{where.lineno}, in {where.name})"
 
 
 def leave_process_group():
@@ -1898,16 +1895,14 @@ class PolicyAndValue(torch.nn.Module):
 
     def __init__(self, policy, value_model, fused_head=False):
         super().__init__()
-        # fused: hidden
         self.policy, self.value_model, self.fused_head = policy, value_model, fused_head
 
-    # -> (B, R) x 3
-    def forward(self, query_responses, attention_mask, context_length, temperature):
+    def forward(self, query_responses, attention_mask, context_length, temperature):  # (B, R) x 3
         head = self.policy.get_output_embeddings() if self.fused_head else None
-        logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask, context_length,
-                                              temperature, head)  # log π_θ(y_t|s_t), its entropy
-        values = None if self.value_model is None else state_values(self.value_model, query_responses,
-                                                                    attention_mask, context_length)  # V(s_t)
+        logprobs, entropy = response_logprobs(self.policy, query_responses, attention_mask,
+                                              context_length, temperature, head)  # log π_θ, H
+        values = None if self.value_model is None else state_values(  # V(s_t)
+            self.value_model, query_responses, attention_mask, context_length)
         return logprobs, entropy, values  # values None: a value-free advantage estimator
 
 
@@ -1927,8 +1922,8 @@ def wrap_for_training(models, args, rt):
             shard(module, module in frozen, rt)
     elif rt.torchrun:
         ddp = torch.nn.parallel.DistributedDataParallel
-        no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
-                          else "broadcast_buffers": False}  # buffers are constants
+        new = "forward_sync_buffers" in inspect.signature(ddp).parameters
+        no_buffer_sync = {"forward_sync_buffers" if new else "broadcast_buffers": False}  # fixed
         model = ddp(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
                     **no_buffer_sync)
     return model
@@ -1954,28 +1949,27 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
     from glob import glob
     from safetensors import safe_open
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
     folder, stored = os.path.expanduser(path), set()
     for file in glob(os.path.join(folder, "*.safetensors")):
         with safe_open(file, "pt") as f:
             stored.update(f.keys())
     # parameters on the meta device as they are made (no memory, no init), buffers real: RoPE's
-    # inv_freq is in
-    # no checkpoint; a tied weight is registered twice, the second time already on meta
+    # inv_freq is in no checkpoint; a tied weight is registered twice, the second time on meta
     hook = torch.nn.modules.module.register_module_parameter_registration_hook(
-        lambda module, name, p: p if p.is_meta else torch.nn.Parameter(p.to("meta"), p.requires_grad))
+        lambda module, name, p: p if p.is_meta else torch.nn.Parameter(p.to("meta"),
+                                                                        p.requires_grad))
     try:
         model = cls.from_config(config, dtype=dtype)
     finally:
         hook.remove()
     wanted = model.state_dict().keys() - tied_aliases(model)  # a tied weight is stored once
-    # a new head: initialised as transformers does
-    missing = {k for k in wanted - stored if k.startswith("score.")}
+    missing = {k for k in wanted - stored if k.startswith("score.")}  # a new head: initialised
     if not stored or wanted - stored - missing:  # said once, by rank 0
-        return rt.rank == 0 and say(f"note: --{flag} {path!r}: not a folder of safetensors files with every weight, "
-                                    "so each rank loads it whole, then shards it")
-    # to_empty() would leave them uninitialised
-    buffers = {k: b.clone() for k, b in model.named_buffers()}
+        return rt.rank == 0 and say(f"note: --{flag} {path!r}: not a folder of safetensors files "
+                                    "with every weight, so each rank loads it whole and shards it")
+    buffers = {k: b.clone() for k, b in model.named_buffers()}  # to_empty() leaves them empty
     shard(model, frozen, rt)
     model.to_empty(device=rt.device)
     for key, buffer in buffers.items():  # on the device, where the inputs are
@@ -1985,8 +1979,7 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
          storage_reader=HuggingFaceStorageReader(folder))
     if missing:  # a whole head on every rank (the same seed), then its shard
         score = model.score
-        # made without drawing random numbers, then as from_pretrained does
-        with torch.device("meta"):
+        with torch.device("meta"):  # no random numbers drawn; then as from_pretrained does
             head = torch.nn.Linear(score.in_features, score.out_features, score.bias is not None)
         model._init_weights(head.to_empty(device="cpu"))
         set_model_state_dict(model, {f"score.{k}": v for k, v in head.state_dict().items()},
@@ -2037,7 +2030,8 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm):
 # ------------------------------ memory-efficient log-probs (systems: a first reading may skip this)
 def last_hidden(model, input_ids, attention_mask, keep):
     """A causal LM's last hidden states (B, keep, H): its own forward with an identity output layer
-    (not the backbone's: under FSDP2 the root unit's all-gather then holds that layer for the chunks)."""
+    (not the backbone's: under FSDP2 the root unit's all-gather then holds that layer for the
+    chunks)."""
     head = model.get_output_embeddings()
     model.set_output_embeddings(torch.nn.Identity())
     try:
@@ -2075,7 +2069,7 @@ def output_layer(model):
           head.register_forward_hook(lambda module, inputs, output: output * 100)):
         logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
         fits = torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5)
-    for unit in [m for m in model.modules() if hasattr(m, "reshard")]:  # FSDP2: a root stays gathered
+    for unit in [m for m in model.modules() if hasattr(m, "reshard")]:  # FSDP2: a root stays whole
         unit.reshard()
     return head if fits else None
 
