@@ -234,13 +234,11 @@ class Args:
     """α: the adapter's update is scaled by α/r"""
     lora_target_modules: Optional[list[str]] = None
     """layers that get adapters; default every linear layer of attention and MLP (not the output)"""
-    merge_lora: bool = False
-    """with --lora_r: also write policy_merged/, the base with the adapter merged in"""
     # --- system; distributed: under torchrun, batch sizes above per device
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """autocast dtype; trained weights, AdamW and π_ref (as π_θ) fp32, reward models this one"""
-    save_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
-    """dtype of the saved policy and value model (auto: the source checkpoint's)"""
+    save_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """dtype of the saved policy and value model"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, ~1/3 more compute"""
     distributed: Literal["ddp", "fsdp"] = "ddp"
@@ -960,8 +958,7 @@ FLAG_CONFLICTS = {
         lambda a: a.ref_model_path and a.lora_r,
     "--export_checkpoint needs --resume FOLDER, the checkpoint it writes": lambda a: a.export_checkpoint
         and a.resume in (None, "auto"),
-    "--merge_lora and --lora_target_modules need --lora_r > 0":
-        lambda a: (a.merge_lora or a.lora_target_modules) and not a.lora_r,
+    "--lora_target_modules needs --lora_r > 0": lambda a: a.lora_target_modules and not a.lora_r,
     "--replay_rounds N > 0 and --replay_correction naive|decoupled go together":
         lambda a: bool(a.replay_rounds) != (a.replay_correction is not None),
     "--replay_weight_cap needs --replay_correction decoupled (it caps its weights)":
@@ -1091,7 +1088,7 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
             fail("--track needs `pip install wandb`")
     if args.lora_r:
         import_peft("--lora_r")
-    policy_config, reward_configs, stored_dtypes = check_configs(args, model_path)
+    policy_config, reward_configs = check_configs(args, model_path)
     base_model = adapter_base(model_path) or model_path  # an adapter's base, else the model itself
     own_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
     tokenizer = from_pretrained(AutoTokenizer, model_path if own_tokenizer else base_model,
@@ -1128,12 +1125,12 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
                                                   stop_token_ids)
     return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts,
                            reward_fns=reward_fns, reward_tokenizers=reward_tokenizers,
-                           stop_token_ids=stop_token_ids, stored_dtypes=stored_dtypes)
+                           stop_token_ids=stop_token_ids)
 
 
 def check_configs(args, model_path):
-    """The policy's config, the reward models' (1-label sequence classifiers), storage dtypes."""
-    configs, reward_configs, stored_dtypes = {}, {}, {}  # stored_dtypes: for --save_dtype auto
+    """The policy's config, the reward models' (1-label sequence classifiers)."""
+    configs, reward_configs, stored_dtypes = {}, {}, {}
     for flag, path in {"model_name_or_path": model_path, "ref_model_path": args.ref_model_path,
                        "value_model_path": args.value_model_path}.items():
         if path:
@@ -1155,7 +1152,7 @@ def check_configs(args, model_path):
     if args.dtype == "fp16" and bf16_stored and int(os.environ.get("RANK", 0)) == 0:
         say(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype "
             "fp16 can overflow where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
-    return configs["model_name_or_path"], reward_configs, stored_dtypes
+    return configs["model_name_or_path"], reward_configs
 
 
 def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
@@ -1456,7 +1453,6 @@ def load_models(args, model_path, inputs, rt):
     # nor a merged adapter); else None, and a LoRA run saves them beside its adapter
     base_paths = {k: None if args.model_name_or_path == "builtin" and p == model_path or adapter_base(p) else p
                   for k, p in paths.items() if p}
-    source_dtypes = {k: inputs.stored_dtypes[adapter_base(p) or p] for k, p in paths.items() if p}
     num_sources = len(reward_models + inputs.reward_fns)
     ref_head = policy_head if ref_policy is policy else None  # LoRA: the reference is the policy
     if ref_policy not in (None, policy) and not (rt.fsdp and args.shard_frozen_models):
@@ -1472,7 +1468,7 @@ def load_models(args, model_path, inputs, rt):
         builtin_reward=[spec for _, spec, _ in inputs.reward_fns] == ["addition_reward"],
         reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
                                     device=rt.device),
-        base_paths=base_paths, source_dtypes=source_dtypes)
+        base_paths=base_paths)
     return models, wrap_for_training(models, args, rt)
 
 
@@ -2110,7 +2106,7 @@ def import_peft(flag):
 # --distributed, --shard_frozen_models; --eval_temperature: eval/). A resume may change only these.
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
     save_every save_total_limit resume export_checkpoint distributed shard_frozen_models
-    rollout_unshard dist_timeout_s merge_lora eval_temperature health_window save_dtype""".split())
+    rollout_unshard dist_timeout_s eval_temperature health_window save_dtype""".split())
 CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
 DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
@@ -2131,8 +2127,7 @@ def full_state_dict(model, dtypes=None):
 
 def save_final(model, models, args, output_dir, rt, num_updates):
     """The trained models as from_pretrained folders in --save_dtype, then complete.json."""
-    dtypes = {name: DTYPES.get(args.save_dtype) or source_dtype or torch.float32  # auto: the source's
-              for name, source_dtype in models.source_dtypes.items()}  # no value model: no entry
+    dtypes = dict.fromkeys(models.base_paths, DTYPES[args.save_dtype])  # no value model: no entry
     weights, written = full_state_dict(model, None if args.lora_r else dtypes), defaultdict(list)  # dtype -> what
     if rt.rank:  # after the collective, rank 0 writes
         return ""
@@ -2157,17 +2152,8 @@ def save_final(model, models, args, output_dir, rt, num_updates):
                 save_weights(part, tmp, state, dtype)
                 written[dtype].append(label)
             models.tokenizer.save_pretrained(tmp)
-        if name == "policy" and args.merge_lora:  # the saved adapter, merged into its base in fp32
-            import peft  # check_inputs found it
-            merged = from_pretrained(AutoModelForCausalLM, base, "model_name_or_path", args,
-                                     dtype=torch.float32)
-            merged = quietly(peft.PeftModel.from_pretrained, merged, folder).merge_and_unload()
-            with save_folder(folder + "_merged") as tmp:
-                save_weights(merged, tmp, merged.state_dict(), dtype)
-                models.tokenizer.save_pretrained(tmp)
-            written[dtype].append("merged policy")
-    names = {v: k for k, v in DTYPES.items()}  # fp32, bf16, fp16; any other: e.g. float64
-    saved = ", ".join(f"{' and '.join(w)} ({names.get(d, str(d)[6:])})" for d, w in written.items())
+    names = {v: k for k, v in DTYPES.items()}  # fp32, bf16, fp16
+    saved = ", ".join(f"{' and '.join(w)} ({names[d]})" for d, w in written.items())
     with open(os.path.join(output_dir, "complete.json"), "w") as f:  # after the models (run_folder)
         json.dump({"updates": num_updates, "saved": saved}, f)
     return saved
@@ -2626,7 +2612,7 @@ class Logger:
                  f"stop ids {models.stop_token_ids or 'none'}, output {output_dir}; "
                  f"{models.value_source}{head}{lora}")
         if args.export_checkpoint:  # no update runs: what it writes, not the training sizes
-            names = " and ".join(models.source_dtypes).replace("_", " ")
+            names = " and ".join(models.base_paths).replace("_", " ")
             start = (f"ppo_rlhf: exporting {args.resume}: {names}, --save_dtype {args.save_dtype}, "
                      f"to {output_dir}")
         self.print(start)

@@ -1188,17 +1188,20 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_changes_no_number(tin
 
 def test_a_chat_model_without_a_pad_token_is_saved_as_it_came(tiny, tmp_path):
     """A Llama chat model without a pad token under LoRA: the adapter names the untouched base (no policy_base/
-    written), and the merged policy reloads with the base's vocabulary, no pad token and padding_idx None."""
+    written), and the adapted policy reloads with the base's vocabulary, no pad token and
+    padding_idx None."""
     args = run_args(tiny, tmp_path, model_name_or_path=tiny["chat"], reward_model_path=None, total_episodes=8,
-                    reward_fn=[f"{__file__}:chat_words"], dataset=tiny["chat_prompts"], lora_r=4, merge_lora=True)
+                    reward_fn=[f"{__file__}:chat_words"], dataset=tiny["chat_prompts"], lora_r=4)
     P.main(args)
-    assert sorted(os.listdir(args.output_dir)) == ["complete.json", "metrics.jsonl", "policy", "policy_merged",
-                                                   "value_model"]
-    assert P.adapter_base(os.path.join(args.output_dir, "policy")) == tiny["chat"]
-    merged = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy_merged"))
-    assert merged.get_input_embeddings().num_embeddings == len(CHAT_WORDS) and merged.config.pad_token_id is None
-    assert merged.get_input_embeddings().padding_idx is None
-    assert AutoTokenizer.from_pretrained(os.path.join(args.output_dir, "policy_merged")).pad_token is None
+    listed = ["complete.json", "metrics.jsonl", "policy", "value_model"]
+    assert sorted(os.listdir(args.output_dir)) == listed
+    policy_dir = os.path.join(args.output_dir, "policy")
+    assert P.adapter_base(policy_dir) == tiny["chat"]
+    adapted = AutoModelForCausalLM.from_pretrained(policy_dir)  # the base with the adapter on it
+    embeddings = adapted.get_input_embeddings()
+    assert embeddings.num_embeddings == len(CHAT_WORDS) and adapted.config.pad_token_id is None
+    assert embeddings.padding_idx is None
+    assert AutoTokenizer.from_pretrained(policy_dir).pad_token is None
 
 
 @pytest.mark.parametrize("arch,dropout", [("gpt2", dict(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)),
@@ -1333,12 +1336,13 @@ def saved_dtypes(folder):
 def test_end_to_end_in_process_with_a_reward_model(tiny, tmp_path, capsys, dtype):
     """A policy and reward model stored in bf16, as on the hub, train with fp32 master weights: every metric of every
     update equals that of their fp32 copies (the frozen models are held in --dtype's precision either way);
-    --save_dtype auto writes each in its source's dtype."""
+    --save_dtype writes each in the dtype it names."""
     runs = {}
     for stored in ("bf16", "fp32"):
         suffix = "" if stored == "bf16" else "_fp32"
         args = run_args(tiny, tmp_path / stored, model_name_or_path=tiny["gpt2" + suffix], total_episodes=32,
-                        reward_model_path=[tiny["gpt2_rm" + suffix]], stop_token=None, dtype=dtype, save_dtype="auto")
+                        reward_model_path=[tiny["gpt2_rm" + suffix]], stop_token=None, dtype=dtype,
+                        save_dtype=stored)
         P.main(args)
         runs[stored] = args.output_dir
         last_line = capsys.readouterr().out.splitlines()[-1]
@@ -1382,14 +1386,14 @@ def llama3(tmp_path_factory):
 def test_a_llama_3_checkpoint_ends_at_each_of_its_stop_ids_and_its_bf16_storage_is_read_off_the_weights(llama3,
                                                                                                       capsys):
     """Every eos_token_id of the generation config's list is a stop id; a config without a dtype field leaves the
-    storage dtype to the safetensors (BF16), so --save_dtype auto saves bf16 and --dtype fp16 warns of bf16's range."""
+    storage dtype to the safetensors (BF16), so --dtype fp16 warns of bf16's range."""
     args = P.Args(model_name_or_path=llama3, dtype="fp16")
     config = AutoConfig.from_pretrained(llama3)
     assert getattr(config, "dtype", None) is None and getattr(config, "torch_dtype", None) is None
     tokenizer = AutoTokenizer.from_pretrained(llama3)
     assert P.resolve_stop_token_ids(args, tokenizer, llama3, config) == [128001, 128008, 128009]
-    _, _, stored = P.check_configs(args, llama3)
-    assert stored == {llama3: torch.bfloat16}
+    P.check_configs(args, llama3)
+    assert P.stored_dtype(llama3, config) == torch.bfloat16
     assert "stored in bf16, whose range fp16 lacks" in capsys.readouterr().err
 
 
@@ -1408,15 +1412,6 @@ def test_a_gathered_state_writes_tied_embeddings_once_and_reloads_tied(tiny, tmp
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(reloaded(ids).logits, model(ids).logits)
-
-
-def test_save_dtype_auto_writes_each_model_in_its_own_sources_dtype(tiny, tmp_path, capsys):
-    """The policy stored in bf16, its value model started from a reward model stored in fp32: saved as bf16 and fp32."""
-    args = run_args(tiny, tmp_path, reward_model_path=[tiny["gpt2_rm_fp32"]], total_episodes=8, save_dtype="auto")
-    P.main(args)
-    assert capsys.readouterr().out.splitlines()[-1] == f"saved policy (bf16), value model (fp32) to {args.output_dir}"
-    assert saved_dtypes(os.path.join(args.output_dir, "policy")) == ({"BF16"}, "bfloat16")
-    assert saved_dtypes(os.path.join(args.output_dir, "value_model")) == ({"F32"}, "float32")
 
 
 def test_the_reward_model_scores_each_response_at_its_last_real_token(tiny, tmp_path, monkeypatch):
@@ -2723,7 +2718,8 @@ def file_case(case, tiny, tmp_path):
         "missing eval prompts": (dict(eval_dataset="/no/such/eval.txt"), "--eval_dataset"),
         "an overlong buffer past the response": (dict(overlong_buffer=7), "--overlong_buffer"),
         "a reference model with LoRA": (dict(lora_r=4, ref_model_path=tiny["gpt2"]), "--ref_model_path"),
-        "merging without LoRA": (dict(merge_lora=True), "--merge_lora"),
+        "LoRA target modules without LoRA": (dict(lora_target_modules=["c_attn"]),
+                                             "--lora_target_modules"),
         "exporting no checkpoint": (dict(export_checkpoint=True, resume="auto"), "--export_checkpoint"),
         "weights not matching the sources": (dict(reward_fn=[f"{__file__}:count_w1"], reward_weights=[1.0]),
                                              "--reward_weights"),
@@ -2779,7 +2775,8 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "grpo with one response per prompt", "dr_grpo with one response per prompt",
               "reinforce_pp_baseline with one response per prompt",
               "a value model without GAE", "a reference model without KL", "an adaptive KL of zero",
-              "LoRA without peft", "a reference model with LoRA", "merging without LoRA", "missing eval prompts",
+              "LoRA without peft", "a reference model with LoRA",
+              "LoRA target modules without LoRA", "missing eval prompts",
               "an overlong buffer past the response", "weights not matching the sources", "a non-finite reward weight",
               "a path where a list goes", "no stop id, truncated completions masked",
               "no stop id, a missing-EOS penalty", "a stop id outside the vocabulary", "an empty list of stop ids",
@@ -4632,16 +4629,15 @@ def lora_logprobs(model, batch):
 
 
 @pytest.mark.parametrize("arch,dtype,gradient_checkpointing", [("gpt2", "fp32", False), ("llama", "bf16", True)])
-def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, monkeypatch, arch, dtype,
-                                                               gradient_checkpointing):
+def test_lora_end_to_end_saves_an_adapter(tiny, tmp_path, monkeypatch, arch, dtype,
+                                          gradient_checkpointing):
     """A LoRA run: the first ratio is 1, the reference log-probs are the base model's, the checkpoint holds only what
-    trains; policy/ is an adapter naming the base it was trained on, and policy_merged/ loads with from_pretrained
-    and gives the log-probs of base + adapter."""
+    trains; policy/ is an adapter naming the base it was trained on, holding the trained adapter."""
     from peft import PeftModel
     calls, loaded_models, load_models = spy_on_updates(monkeypatch), [], P.load_models
     monkeypatch.setattr(P, "load_models", lambda *a: loaded_models.append(load_models(*a)) or loaded_models[-1])
     args = run_args(tiny, tmp_path, model_name_or_path=tiny[arch], reward_model_path=[tiny[f"{arch}_rm"]],
-                    lora_r=4, lora_alpha=8.0, merge_lora=True, dtype=dtype, learning_rate=1e-2, save_every=2,
+                    lora_r=4, lora_alpha=8.0, dtype=dtype, learning_rate=1e-2, save_every=2,
                     gradient_checkpointing=gradient_checkpointing, eval_dataset=tiny["txt"])
     P.main(args)
     metrics = read_metrics(args.output_dir)
@@ -4658,15 +4654,12 @@ def test_lora_end_to_end_saves_an_adapter_and_a_merged_policy(tiny, tmp_path, mo
     state = checkpoint_state(os.path.join(args.output_dir, "checkpoint-000002"))["model"]
     assert state and all(".lora_" in k or ".modules_to_save." in k for k in state)
     assert sorted(os.listdir(args.output_dir)) == ["checkpoint-000002", "complete.json", "metrics.jsonl", "policy",
-                                                   "policy_merged", "samples.jsonl",
+                                                   "samples.jsonl",
                                                    "value_model"]  # the base: the tiny model's folder
     policy_dir = os.path.join(args.output_dir, "policy")
     assert P.adapter_base(policy_dir) == tiny[arch]
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny[arch], dtype=torch.float32),
                                         policy_dir)
-    merged = AutoModelForCausalLM.from_pretrained(os.path.join(args.output_dir, "policy_merged"))
-    assert torch.allclose(lora_logprobs(adapted, batch), lora_logprobs(merged, batch), atol=1e-5)
-    assert not torch.allclose(lora_logprobs(merged, batch), lora_logprobs(base, batch), atol=1e-3)
     adapter = {k: v for k, v in adapted.state_dict().items() if ".lora_" in k}
     assert adapter.keys() == {k[len("policy."):] for k in state if k.startswith("policy.")}  # the trained adapter
     assert all(torch.equal(v, state["policy." + k]) for k, v in adapter.items())
