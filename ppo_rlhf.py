@@ -722,8 +722,7 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                                                                  loss_mask.any(1).sum()]).float())
             if mb_tokens == 0:  # no token in the loss: no step
                 continue
-            # Σ approxkl over its tokens on this rank, and a count of non-finite losses
-            approxkl_sum, non_finite = torch.zeros(2, device=lengths.device)
+            approxkl_sum, non_finite = torch.zeros(2, device=lengths.device)  # this rank's sums
             micro_batches = mb_rows.split(sizes.micro_batch_size)
             for i, rows in enumerate(micro_batches):
                 L = lengths[rows].max().item()  # pay only for real tokens
