@@ -899,6 +899,15 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
+@contextmanager
+def flag_errors(what):
+    """Around a library call: its exception fails as one line, `error: {what}: {the exception}`."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 (the library's own words say what is wrong)
+        fail(f"{what}: {one_line(e)}")
+
+
 # What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
 FLAG_RANGES = {
     ">= 1": (lambda v: v >= 1, "per_device_train_batch_size gradient_accumulation_steps"
@@ -1051,12 +1060,11 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
         fail(f"--resume {args.resume!r} is not a checkpoint (no state.pt); give one, or `auto`")
     if args.track:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            fail("--track needs `pip install wandb`")
+        with flag_errors("--track needs `pip install wandb`"):
+            importlib.import_module("wandb")
     if args.lora_r:
-        import_peft("--lora_r")
+        with flag_errors("--lora_r needs `pip install peft`"):
+            importlib.import_module("peft")
     policy_config, reward_configs, stored_dtypes = check_configs(args, model_path)
     base_model = adapter_base(model_path) or model_path  # an adapter's base, else the model itself
     own_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
@@ -1105,7 +1113,8 @@ def check_configs(args, model_path):
         if path:
             base = adapter_base(path, flag)
             if base:  # an adapter checkpoint: peft, and its base's config
-                import_peft(f"--{flag} {path!r} (an adapter)")
+                with flag_errors(f"--{flag} {path!r} (an adapter) needs `pip install peft`"):
+                    importlib.import_module("peft")
             configs[flag] = from_pretrained(AutoConfig, base or path, flag, args)
             stored_dtypes[base or path] = stored_dtype(base or path, configs[flag])
     for path in args.reward_model_path or []:
@@ -1329,12 +1338,11 @@ def prox_and_values(models, b, args, rt):
 # ------------------------------------------------------------------------- models, data and rewards
 def from_pretrained(cls, path, flag, args, **kwargs):
     """cls.from_pretrained(path), or one line naming the flag when that fails."""
+    # a local folder that is not there (transformers would say "Repo id must be in the form ...")
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
         fail(f"--{flag} {path!r}: no such folder (give a model folder, or a hub name like org/model)")
-    try:
+    with flag_errors(f"--{flag} {path!r} could not be loaded"):
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
-    except (OSError, ValueError, RuntimeError) as e:  # shapes off the config
-        fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
 
 
 def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, rt=None, frozen=False, **kwargs):
@@ -1343,8 +1351,9 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     base = adapter_base(path, flag)
     if base:  # an adapter checkpoint (peft): its base model with the adapter merged in
         model = load_pretrained(cls, base, flag, args, dtype, new_head, **kwargs)
-        peft = import_peft(f"--{flag} {path!r} (an adapter)")
-        return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
+        import peft  # check_configs found it
+        with flag_errors(f"--{flag} {path!r} could not be loaded"):
+            return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
     config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
@@ -1376,12 +1385,8 @@ def adapter_base(path, flag="model_name_or_path"):
     config = os.path.join(os.path.expanduser(path), "adapter_config.json")
     if not os.path.isfile(config):
         return None
-    try:
-        with open(config) as f:
-            return json.load(f)["base_model_name_or_path"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        fail(f"--{flag} {path!r}: its adapter_config.json cannot be read ({type(e).__name__}: "
-             f"{e}); give a model or a peft adapter folder")
+    with flag_errors(f"--{flag} {path!r}: adapter_config.json cannot be read"), open(config) as f:
+        return json.load(f)["base_model_name_or_path"]
 
 
 def load_models(args, model_path, inputs, rt):
@@ -1471,7 +1476,9 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     if bad:  # else transformers' chat template fails on it, naming no row
         fail(f"--{flag} {dataset!r}: {where(bad[0])} is not a text or a non-empty list of messages "
              '{"role": str, "content": str}')
-    texts, ids, messages = render_prompts(prompts, tokenizer, flag)
+    with flag_errors(f"--{flag} {dataset!r}: its chat rows (`messages`, or a `prompt` of messages) "
+                     "through the policy's chat template"):
+        texts, ids, messages = render_prompts(prompts, tokenizer)
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
     if [] in ids:
@@ -1503,11 +1510,8 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
 def read_prompts(dataset, split, flag):
     """-> the rows (a `prompt` or `messages`, other fields), a file's line numbers."""
     if dataset.endswith((".txt", ".jsonl")):
-        try:
-            with open(dataset, encoding="utf-8") as f:
-                lines = {n: line.rstrip("\n") for n, line in enumerate(f, 1) if line.strip()}
-        except (OSError, UnicodeDecodeError) as e:
-            fail(f"--{flag} {dataset!r} cannot be read: {e}")
+        with flag_errors(f"--{flag} {dataset!r}"), open(dataset, encoding="utf-8") as f:
+            lines = {n: line.rstrip("\n") for n, line in enumerate(f, 1) if line.strip()}
         rows = []
         for n, line in lines.items():
             try:
@@ -1520,25 +1524,16 @@ def read_prompts(dataset, split, flag):
         return rows, list(lines)
     if os.path.exists(dataset):
         fail(f"--{flag} {dataset!r}: use a .txt or .jsonl file")
-    try:
-        import datasets
-    except ImportError:
-        fail(f"--{flag} {dataset!r} is not a local .txt/.jsonl file; a hub dataset needs `pip install datasets`")
-    try:
-        data = datasets.load_dataset(dataset, split=split)
-    except Exception as e:  # datasets raises many kinds; all mean this flag is wrong
-        fail(f"--{flag} {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
+    with flag_errors(f"--{flag} {dataset!r} as a hub dataset (`pip install datasets`)"):
+        data = importlib.import_module("datasets").load_dataset(dataset, split=split)
     if {"prompt", "messages"}.isdisjoint(data.column_names):
         fail(f"--{flag} {dataset!r} has no `prompt` or `messages` column")
     return list(data), None
 
 
-def render_prompts(rows, tokenizer, flag="dataset"):
+def render_prompts(rows, tokenizer):
     """Chat rows through the chat template -> texts, ids, messages (None: plain)."""
     messages = [None if isinstance(r, str) else r[:-1] if r and r[-1].get("role") == "assistant" else r for r in rows]
-    if tokenizer.chat_template is None and any(m is not None for m in messages):
-        fail(f"--{flag} has chat rows (`messages`, or a `prompt` of messages) but the policy's tokenizer has no "
-             "chat template")
     texts = [r if m is None else tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
              for r, m in zip(rows, messages)]
     ids = [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)]
@@ -2034,10 +2029,8 @@ def add_lora(model, args, modules_to_save=None):
     import peft  # check_inputs found it
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                              target_modules=args.lora_target_modules or "all-linear", modules_to_save=modules_to_save)
-    try:
+    with flag_errors(f"--lora_target_modules {args.lora_target_modules}"):  # modules not found
         model = quietly(peft.get_peft_model, model, config)
-    except ValueError as e:  # target modules not found
-        fail(f"--lora_target_modules {args.lora_target_modules}: {str(e).strip().splitlines()[0]}")
     for p in model.parameters():  # fp32 master weights
         if p.requires_grad:
             p.data = p.data.float()
@@ -2049,14 +2042,6 @@ def quietly(function, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return function(*args, **kwargs)
-
-
-def import_peft(flag):
-    try:
-        import peft
-    except ImportError:
-        fail(f"{flag} needs `pip install peft`")
-    return peft
 
 
 # ------------------------- checkpoints, resume and signals (systems: a first reading may skip this)

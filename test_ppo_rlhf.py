@@ -1284,8 +1284,9 @@ def test_trls_prompt_of_messages_rows_are_chat_rows_as_messages_rows_are(tiny, t
     for path in files.values():
         with pytest.raises(SystemExit) as exc:
             P.load_prompts(str(path), P.Args(), plain, None)
-        assert str(exc.value) == ("error: --dataset has chat rows (`messages`, or a `prompt` of messages) but the "
-                                  "policy's tokenizer has no chat template")
+        assert str(exc.value).startswith(f"error: --dataset {str(path)!r}: its chat rows (`messages`, or a "
+                                         "`prompt` of messages) through the policy's chat template: ")
+        assert "chat_template is not set" in str(exc.value) and "\n" not in str(exc.value)
 
 
 @pytest.mark.parametrize("messages", [[], ["hi"], [{"role": "user"}],
