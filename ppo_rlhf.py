@@ -1547,9 +1547,9 @@ def load_reward_fn(spec):
         fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
     sys.path.insert(0, os.getcwd())  # sys.path[0] is the script's folder, not the current one
     try:
-        namespace = runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module))
-    except (ImportError, OSError) as e:
-        fail(f"--reward_fn {spec!r} cannot be loaded: {type(e).__name__}: {e}")
+        with flag_errors(f"--reward_fn {spec!r} cannot be loaded"):
+            namespace = (runpy.run_path(module) if module.endswith(".py")
+                         else vars(importlib.import_module(module)))
     finally:
         sys.path.remove(os.getcwd())
     if not callable(namespace.get(name)):
@@ -1564,28 +1564,24 @@ def reward_call(fn, spec, fields):
     """How to call a reward function: None (**kwargs), or the names it asks for."""
     params = inspect.signature(fn).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = {p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     trl_only = sorted(named & {"log_extra", "log_metric", "environments"})  # this script lacks them
     if trl_only:
         fail(f"--reward_fn {spec!r} asks for {trl_only}, which only TRL's trainers give")
+    required = {p.name for p in params
+                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     for flag, names in fields.items():
-        clash = set(names) & set(REWARD_ARGUMENTS)  # completion_ids is never a field (load_prompts)
+        clash = sorted(set(names) & set(REWARD_ARGUMENTS))  # never completion_ids (load_prompts)
         if clash:
-            fail(f"--{flag} has a field named {sorted(clash)[0]!r}, as a reward function's argument; rename it")
-    asked = named & set(REWARD_ARGUMENTS).union(*fields.values())
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        how = None
-    elif asked:
-        how = tuple(sorted(asked))
-    else:
-        fail(f"--reward_fn {spec!r} takes {inspect.signature(fn)}: give it (prompts, completions), or keywords "
-             f"({', '.join(REWARD_ARGUMENTS)}, a field of the rows, **kwargs)")
-    for flag, names in fields.items():
+            fail(f"--{flag} has a field named {clash[0]!r}, a reward function's argument")
         missing = sorted(required - {*REWARD_ARGUMENTS, *names})
-        if missing:
+        if missing:  # also where it names none of them, as the positional f(p, c) of old versions
             fail(f"--reward_fn {spec!r} needs {missing[0]!r}, which the rows of --{flag} do not "
-                 f"have (their fields: {sorted(names) or 'none'})")
-    return how
+                 f"have (their fields: {sorted(names) or 'none'}); it takes "
+                 f"{inspect.signature(fn)}: give it (prompts, completions), or keywords "
+                 f"({', '.join(REWARD_ARGUMENTS)}, a field of the rows, **kwargs)")
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return named & set(REWARD_ARGUMENTS).union(*fields.values())
 
 
 def text_scores(models, rm_scores, prompts, rows, completions, completion_ids, trainer_state, chunk, rt):
@@ -1610,12 +1606,10 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
                  **{name: [values[r] for r in rows] for name, values in prompts.fields.items()})
     columns = []
     for fn, spec, how in models.reward_fns:
-        try:
+        with flag_errors(f"--reward_fn {spec} failed"):  # the user's code: where it raised, too
             out = fn(**{k: v for k, v in given.items() if how is None or k in how})
             if inspect.isawaitable(out):  # an async def function
                 out = asyncio.run(out)
-        except Exception as e:  # noqa: BLE001 (the user's code: one line, with where it was raised)
-            fail(f"--reward_fn {spec} raised {one_line(e)}")
         columns.append(check_scores(out, len(rows), f"--reward_fn {spec}"))
     return torch.column_stack([torch.zeros(len(rows), 0), *columns])  # (B, F), F = 0 too
 
@@ -1638,21 +1632,18 @@ def warn_unscored(scored, prompts, rows, models, update):
 
 def check_scores(scores, n, source):
     """A reward function's output -> float32 (n,), NaN for None, or one line."""
-    try:
+    with flag_errors(f"{source} must return a list of floats (or None)"):
         scores = list(scores)
-    except TypeError:
-        fail(f"{source} must return a list of floats (or None), got {type(scores).__name__}")
     if len(scores) != n:
         fail(f"{source} returned {len(scores)} scores for {n} completions")
     for i, s in enumerate(scores):
-        if not (s is None or isinstance(s, numbers.Real) or torch.is_tensor(s) and s.ndim == 0 and not s.is_complex()):
-            fail(f"{source} returned a {type(s).__name__} ({s!r:.40}) for completion {i}: a score is a real number "
-                 "or None")
-    values = [math.nan if s is None else float(s) for s in scores]
-    bad = [i for i, s in enumerate(scores) if s is not None and not math.isfinite(s)]
-    if bad:
-        fail(f"{source} returned a non-finite score ({values[bad[0]]}) for completion {bad[0]}")
-    return torch.tensor(values, dtype=torch.float32)
+        if not (s is None or isinstance(s, numbers.Real)
+                or torch.is_tensor(s) and s.ndim == 0 and not s.is_complex()):
+            fail(f"{source} returned a {type(s).__name__} ({s!r:.40}) for completion {i}: a score "
+                 "is a real number or None")
+        if s is not None and not math.isfinite(s):
+            fail(f"{source} returned a non-finite score ({float(s)}) for completion {i}")
+    return torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float32)
 
 
 def reward_text(reward_tokenizer, prompts, r, completion):

@@ -2871,7 +2871,8 @@ RUNTIME_CASES = {  # found only once the models run: still one line, and no metr
                                             "--reward_fn"),
 }
 RUNTIME_MUST_SAY = {"a reward function returning strings": "returned a str ('1.0') for completion 0: a score is",
-                    "a reward function that raises": "raised ValueError: the grader is down (test_ppo_rlhf.py:",
+                    "a reward function that raises":
+                        "failed: ValueError: the grader is down (test_ppo_rlhf.py:",
                     "a reward function scoring no completion": "no source scored any response of",
                     "a reward function returning NaN": "non-finite score (nan) for completion 0",
                     "a reward function returning the wrong count": "returned 7 scores for 8 completions"}
@@ -3246,7 +3247,7 @@ def test_a_reward_function_that_fails_at_update_3_leaves_a_checkpoint_of_update_
         P.main(run_args(tiny, tmp_path, **flags))
     line = str(failure.value)
     assert "\n" not in line
-    assert line.startswith(f"error: --reward_fn {__file__}:down_at_update_3 raised ")
+    assert line.startswith(f"error: --reward_fn {__file__}:down_at_update_3 failed: ")
     assert line.endswith(f"; saved {out}/checkpoint-000002: fix it, then continue with the same "
                          f"flags plus --output_dir {out} --resume auto")
     assert P.list_checkpoints(out) == [f"{out}/checkpoint-000002"] and len(read_metrics(out)) == 2
@@ -3913,7 +3914,8 @@ def test_bad_input_under_torchrun_is_one_line_from_the_whole_run(tiny, tmp_path)
                               str(tmp_path / "none.txt")], "error: --dataset"),  # files: checked by every rank
                             (["--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:fails_on_rank_1",
                               "--dataset", tiny["prompts"], "--response_length", "4"],  # one rank's reward: a vote
-                             f"error: --reward_fn {__file__}:fails_on_rank_1 raised RuntimeError: rank 1's grader")):
+                             f"error: --reward_fn {__file__}:fails_on_rank_1 failed: RuntimeError: "
+                             "rank 1's grader")):
         start = time.time()
         result = torchrun("--output_dir", str(tmp_path / "run"), *flags, timeout=120)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
