@@ -930,6 +930,15 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
+@contextmanager
+def flag_errors(what):
+    """Around a library call: its exception fails as one line, `error: {what}: {the exception}`."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 (the library's own words say what is wrong)
+        fail(f"{what}: {one_line(e)}")
+
+
 # What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
 FLAG_RANGES = {
     ">= 1": (lambda v: v >= 1, "per_device_train_batch_size gradient_accumulation_steps"
@@ -1081,12 +1090,11 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
         fail(f"--resume {args.resume!r} is not a checkpoint (no state.pt); give one, or `auto`")
     if args.track:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            fail("--track needs `pip install wandb`")
+        with flag_errors("--track needs `pip install wandb`"):
+            importlib.import_module("wandb")
     if args.lora_r:
-        import_peft("--lora_r")
+        with flag_errors("--lora_r needs `pip install peft`"):
+            importlib.import_module("peft")
     policy_config, reward_configs = check_configs(args, model_path)
     base_model = adapter_base(model_path) or model_path  # an adapter's base, else the model itself
     own_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
@@ -1135,7 +1143,8 @@ def check_configs(args, model_path):
         if path:
             base = adapter_base(path, flag)
             if base:  # an adapter checkpoint: peft, and its base's config
-                import_peft(f"--{flag} {path!r} (an adapter)")
+                with flag_errors(f"--{flag} {path!r} (an adapter) needs `pip install peft`"):
+                    importlib.import_module("peft")
             configs[flag] = from_pretrained(AutoConfig, base or path, flag, args)
             stored_dtypes[base or path] = stored_dtype(base or path, configs[flag])
     for path in args.reward_model_path or []:
@@ -1361,12 +1370,11 @@ def prox_and_values(models, b, args, rt):
 # ------------------------------------------------------------------------- models, data and rewards
 def from_pretrained(cls, path, flag, args, **kwargs):
     """cls.from_pretrained(path), or one line naming the flag when that fails."""
+    # a local folder that is not there (transformers would say "Repo id must be in the form ...")
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
         fail(f"--{flag} {path!r}: no such folder (give a model folder, or a hub name like org/model)")
-    try:
+    with flag_errors(f"--{flag} {path!r} could not be loaded"):
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
-    except (OSError, ValueError, RuntimeError) as e:  # shapes off the config
-        fail(f"--{flag} {path!r} could not be loaded: {str(e).strip().splitlines()[0]}")
 
 
 def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, rt=None, frozen=False, **kwargs):
@@ -1375,8 +1383,9 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     base = adapter_base(path, flag)
     if base:  # an adapter checkpoint (peft): its base model with the adapter merged in
         model = load_pretrained(cls, base, flag, args, dtype, new_head, **kwargs)
-        peft = import_peft(f"--{flag} {path!r} (an adapter)")
-        return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
+        import peft  # check_configs found it
+        with flag_errors(f"--{flag} {path!r} could not be loaded"):
+            return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
     config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
@@ -1408,12 +1417,8 @@ def adapter_base(path, flag="model_name_or_path"):
     config = os.path.join(os.path.expanduser(path), "adapter_config.json")
     if not os.path.isfile(config):
         return None
-    try:
-        with open(config) as f:
-            return json.load(f)["base_model_name_or_path"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        fail(f"--{flag} {path!r}: its adapter_config.json cannot be read ({type(e).__name__}: "
-             f"{e}); give a model or a peft adapter folder")
+    with flag_errors(f"--{flag} {path!r}: adapter_config.json cannot be read"), open(config) as f:
+        return json.load(f)["base_model_name_or_path"]
 
 
 def load_models(args, model_path, inputs, rt):
@@ -1502,7 +1507,9 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     if bad:  # else transformers' chat template fails on it, naming no row
         fail(f"--{flag} {dataset!r}: {where(bad[0])} is not a text or a non-empty list of messages "
              '{"role": str, "content": str}')
-    texts, ids, messages = render_prompts(prompts, tokenizer, flag)
+    with flag_errors(f"--{flag} {dataset!r}: its chat rows (`messages`, or a `prompt` of messages) "
+                     "through the policy's chat template"):
+        texts, ids, messages = render_prompts(prompts, tokenizer)
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
     if [] in ids:
@@ -1534,11 +1541,8 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
 def read_prompts(dataset, split, flag):
     """-> the rows (a `prompt` or `messages`, other fields), a file's line numbers."""
     if dataset.endswith((".txt", ".jsonl")):
-        try:
-            with open(dataset, encoding="utf-8") as f:
-                lines = {n: line.rstrip("\n") for n, line in enumerate(f, 1) if line.strip()}
-        except (OSError, UnicodeDecodeError) as e:
-            fail(f"--{flag} {dataset!r} cannot be read: {e}")
+        with flag_errors(f"--{flag} {dataset!r}"), open(dataset, encoding="utf-8") as f:
+            lines = {n: line.rstrip("\n") for n, line in enumerate(f, 1) if line.strip()}
         rows = []
         for n, line in lines.items():
             try:
@@ -1551,25 +1555,16 @@ def read_prompts(dataset, split, flag):
         return rows, list(lines)
     if os.path.exists(dataset):
         fail(f"--{flag} {dataset!r}: use a .txt or .jsonl file")
-    try:
-        import datasets
-    except ImportError:
-        fail(f"--{flag} {dataset!r} is not a local .txt/.jsonl file; a hub dataset needs `pip install datasets`")
-    try:
-        data = datasets.load_dataset(dataset, split=split)
-    except Exception as e:  # datasets raises many kinds; all mean this flag is wrong
-        fail(f"--{flag} {dataset!r} could not be loaded: {str(e).strip().splitlines()[0]}")
+    with flag_errors(f"--{flag} {dataset!r} as a hub dataset (`pip install datasets`)"):
+        data = importlib.import_module("datasets").load_dataset(dataset, split=split)
     if {"prompt", "messages"}.isdisjoint(data.column_names):
         fail(f"--{flag} {dataset!r} has no `prompt` or `messages` column")
     return list(data), None
 
 
-def render_prompts(rows, tokenizer, flag="dataset"):
+def render_prompts(rows, tokenizer):
     """Chat rows through the chat template -> texts, ids, messages (None: plain)."""
     messages = [None if isinstance(r, str) else r[:-1] if r and r[-1].get("role") == "assistant" else r for r in rows]
-    if tokenizer.chat_template is None and any(m is not None for m in messages):
-        fail(f"--{flag} has chat rows (`messages`, or a `prompt` of messages) but the policy's tokenizer has no "
-             "chat template")
     texts = [r if m is None else tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
              for r, m in zip(rows, messages)]
     ids = [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)]
@@ -1583,9 +1578,9 @@ def load_reward_fn(spec):
         fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
     sys.path.insert(0, os.getcwd())  # sys.path[0] is the script's folder, not the current one
     try:
-        namespace = runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module))
-    except (ImportError, OSError) as e:
-        fail(f"--reward_fn {spec!r} cannot be loaded: {type(e).__name__}: {e}")
+        with flag_errors(f"--reward_fn {spec!r} cannot be loaded"):
+            namespace = (runpy.run_path(module) if module.endswith(".py")
+                         else vars(importlib.import_module(module)))
     finally:
         sys.path.remove(os.getcwd())
     if not callable(namespace.get(name)):
@@ -1600,28 +1595,28 @@ def reward_call(fn, spec, fields):
     """How to call a reward function: None (**kwargs), or the names it asks for."""
     params = inspect.signature(fn).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = {p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     trl_only = sorted(named & {"log_extra", "log_metric", "environments"})  # this script lacks them
     if trl_only:
         fail(f"--reward_fn {spec!r} asks for {trl_only}, which only TRL's trainers give")
+    required = {p.name for p in params
+                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     for flag, names in fields.items():
-        clash = set(names) & set(REWARD_ARGUMENTS)  # completion_ids is never a field (load_prompts)
+        clash = sorted(set(names) & set(REWARD_ARGUMENTS))  # never completion_ids (load_prompts)
         if clash:
-            fail(f"--{flag} has a field named {sorted(clash)[0]!r}, as a reward function's argument; rename it")
-    asked = named & set(REWARD_ARGUMENTS).union(*fields.values())
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        how = None
-    elif asked:
-        how = tuple(sorted(asked))
-    else:
-        fail(f"--reward_fn {spec!r} takes {inspect.signature(fn)}: give it (prompts, completions), or keywords "
-             f"({', '.join(REWARD_ARGUMENTS)}, a field of the rows, **kwargs)")
-    for flag, names in fields.items():
+            fail(f"--{flag} has a field named {clash[0]!r}, a reward function's argument")
         missing = sorted(required - {*REWARD_ARGUMENTS, *names})
-        if missing:
+        if missing:  # also where it names none of them, as the positional f(p, c) of old versions
             fail(f"--reward_fn {spec!r} needs {missing[0]!r}, which the rows of --{flag} do not "
-                 f"have (their fields: {sorted(names) or 'none'})")
-    return how
+                 f"have (their fields: {sorted(names) or 'none'}); it takes "
+                 f"{inspect.signature(fn)}: give it (prompts, completions), or keywords "
+                 f"({', '.join(REWARD_ARGUMENTS)}, a field of the rows, **kwargs)")
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    asked = named & set(REWARD_ARGUMENTS).union(*fields.values())
+    if not asked:  # f(x=0) would score every row with its defaults
+        fail(f"--reward_fn {spec!r} takes {inspect.signature(fn)}, none of its arguments: give it "
+             f"(prompts, completions), or keywords ({', '.join(REWARD_ARGUMENTS)}, a field)")
+    return asked
 
 
 def text_scores(models, rm_scores, prompts, rows, completions, completion_ids, trainer_state, chunk, rt):
@@ -1646,12 +1641,10 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
                  **{name: [values[r] for r in rows] for name, values in prompts.fields.items()})
     columns = []
     for fn, spec, how in models.reward_fns:
-        try:
+        with flag_errors(f"--reward_fn {spec} failed"):  # the user's code: where it raised, too
             out = fn(**{k: v for k, v in given.items() if how is None or k in how})
             if inspect.isawaitable(out):  # an async def function
                 out = asyncio.run(out)
-        except Exception as e:  # noqa: BLE001 (the user's code: one line, with where it was raised)
-            fail(f"--reward_fn {spec} raised {one_line(e)}")
         columns.append(check_scores(out, len(rows), f"--reward_fn {spec}"))
     return torch.column_stack([torch.zeros(len(rows), 0), *columns])  # (B, F), F = 0 too
 
@@ -1674,21 +1667,18 @@ def warn_unscored(scored, prompts, rows, models, update):
 
 def check_scores(scores, n, source):
     """A reward function's output -> float32 (n,), NaN for None, or one line."""
-    try:
+    with flag_errors(f"{source} must return a list of floats (or None)"):
         scores = list(scores)
-    except TypeError:
-        fail(f"{source} must return a list of floats (or None), got {type(scores).__name__}")
     if len(scores) != n:
         fail(f"{source} returned {len(scores)} scores for {n} completions")
     for i, s in enumerate(scores):
-        if not (s is None or isinstance(s, numbers.Real) or torch.is_tensor(s) and s.ndim == 0 and not s.is_complex()):
-            fail(f"{source} returned a {type(s).__name__} ({s!r:.40}) for completion {i}: a score is a real number "
-                 "or None")
-    values = [math.nan if s is None else float(s) for s in scores]
-    bad = [i for i, s in enumerate(scores) if s is not None and not math.isfinite(s)]
-    if bad:
-        fail(f"{source} returned a non-finite score ({values[bad[0]]}) for completion {bad[0]}")
-    return torch.tensor(values, dtype=torch.float32)
+        if not (s is None or isinstance(s, numbers.Real)
+                or torch.is_tensor(s) and s.ndim == 0 and not s.is_complex()):
+            fail(f"{source} returned a {type(s).__name__} ({s!r:.40}) for completion {i}: a score "
+                 "is a real number or None")
+        if s is not None and not math.isfinite(s):
+            fail(f"{source} returned a non-finite score ({float(s)}) for completion {i}")
+    return torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float32)
 
 
 def reward_text(reward_tokenizer, prompts, r, completion):
@@ -2075,10 +2065,8 @@ def add_lora(model, args, modules_to_save=None):
     import peft  # check_inputs found it
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                              target_modules=args.lora_target_modules or "all-linear", modules_to_save=modules_to_save)
-    try:
+    with flag_errors(f"--lora_target_modules {args.lora_target_modules}"):  # modules not found
         model = quietly(peft.get_peft_model, model, config)
-    except ValueError as e:  # target modules not found
-        fail(f"--lora_target_modules {args.lora_target_modules}: {str(e).strip().splitlines()[0]}")
     for p in model.parameters():  # fp32 master weights
         if p.requires_grad:
             p.data = p.data.float()
@@ -2090,14 +2078,6 @@ def quietly(function, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return function(*args, **kwargs)
-
-
-def import_peft(flag):
-    try:
-        import peft
-    except ImportError:
-        fail(f"{flag} needs `pip install peft`")
-    return peft
 
 
 # ------------------------- checkpoints, resume and signals (systems: a first reading may skip this)

@@ -133,6 +133,10 @@ def one_param(x):
     return [0.0] * len(x)
 
 
+def only_defaults(x=None):
+    return [0.0] * 8
+
+
 def needs_answer(completions, answer):
     return [0.0] * len(completions)
 
@@ -1287,8 +1291,9 @@ def test_trls_prompt_of_messages_rows_are_chat_rows_as_messages_rows_are(tiny, t
     for path in files.values():
         with pytest.raises(SystemExit) as exc:
             P.load_prompts(str(path), P.Args(), plain, None)
-        assert str(exc.value) == ("error: --dataset has chat rows (`messages`, or a `prompt` of messages) but the "
-                                  "policy's tokenizer has no chat template")
+        assert str(exc.value).startswith(f"error: --dataset {str(path)!r}: its chat rows (`messages`, or a "
+                                         "`prompt` of messages) through the policy's chat template: ")
+        assert "chat_template is not set" in str(exc.value) and "\n" not in str(exc.value)
 
 
 @pytest.mark.parametrize("messages", [[], ["hi"], [{"role": "user"}],
@@ -2733,6 +2738,8 @@ def file_case(case, tiny, tmp_path):
         "a reward function of one parameter": (dict(reward_model_path=None, reward_fn=[f"{__file__}:one_param"]),
                                                "--reward_fn"),
         "no reward source for one's own prompts": (dict(reward_model_path=None), "--reward_fn"),
+        "a reward function whose arguments all have defaults": (
+            dict(reward_model_path=None, reward_fn=[f"{__file__}:only_defaults"]), "--reward_fn"),
         "a reward function of two unnamed parameters": (
             dict(reward_model_path=None, reward_fn=[f"{__file__}:two_params"]), "--reward_fn"),
         "a reward function needing a field the rows lack": (
@@ -2782,6 +2789,7 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "no stop id, a missing-EOS penalty", "a stop id outside the vocabulary", "an empty list of stop ids",
               "a corrupt adapter config", "a reward model with a shorter context",
               "a reward model with its own tokenizer and a shorter context", "a reward function of one parameter",
+              "a reward function whose arguments all have defaults",
               "a reward function of two unnamed parameters", "no reward source for one's own prompts",
               "a reward function needing a field the rows lack",
               "a reward function needing a field the held-out rows lack",
@@ -2811,6 +2819,7 @@ MUST_SAY = {"a tokenizer past the model's vocabulary": "gives prompt ids past th
             "a reward function of one parameter": "takes (x): give it (prompts, completions), or keywords",
             "a reward function of two unnamed parameters": "takes (p, c): give it (prompts, completions), or keywords",
             "no reward source for one's own prompts": "no reward for these prompts: give --reward_model_path or",
+            "a reward function whose arguments all have defaults": "takes (x=None), none of its arguments",
             "a reward function needing a field the rows lack": "needs 'answer', which the rows of --dataset do not",
             "a reward function asking for TRL's log_metric": "asks for ['log_metric']",
             "a field named like a reward function's argument": "field named 'prompts'",
@@ -2868,7 +2877,8 @@ RUNTIME_CASES = {  # found only once the models run: still one line, and no metr
                                             "--reward_fn"),
 }
 RUNTIME_MUST_SAY = {"a reward function returning strings": "returned a str ('1.0') for completion 0: a score is",
-                    "a reward function that raises": "raised ValueError: the grader is down (test_ppo_rlhf.py:",
+                    "a reward function that raises":
+                        "failed: ValueError: the grader is down (test_ppo_rlhf.py:",
                     "a reward function scoring no completion": "no source scored any response of",
                     "a reward function returning NaN": "non-finite score (nan) for completion 0",
                     "a reward function returning the wrong count": "returned 7 scores for 8 completions"}
@@ -3243,7 +3253,7 @@ def test_a_reward_function_that_fails_at_update_3_leaves_a_checkpoint_of_update_
         P.main(run_args(tiny, tmp_path, **flags))
     line = str(failure.value)
     assert "\n" not in line
-    assert line.startswith(f"error: --reward_fn {__file__}:down_at_update_3 raised ")
+    assert line.startswith(f"error: --reward_fn {__file__}:down_at_update_3 failed: ")
     assert line.endswith(f"; saved {out}/checkpoint-000002: fix it, then continue with the same "
                          f"flags plus --output_dir {out} --resume auto")
     assert P.list_checkpoints(out) == [f"{out}/checkpoint-000002"] and len(read_metrics(out)) == 2
@@ -3910,7 +3920,8 @@ def test_bad_input_under_torchrun_is_one_line_from_the_whole_run(tiny, tmp_path)
                               str(tmp_path / "none.txt")], "error: --dataset"),  # files: checked by every rank
                             (["--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:fails_on_rank_1",
                               "--dataset", tiny["prompts"], "--response_length", "4"],  # one rank's reward: a vote
-                             f"error: --reward_fn {__file__}:fails_on_rank_1 raised RuntimeError: rank 1's grader")):
+                             f"error: --reward_fn {__file__}:fails_on_rank_1 failed: RuntimeError: "
+                             "rank 1's grader")):
         start = time.time()
         result = torchrun("--output_dir", str(tmp_path / "run"), *flags, timeout=120)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
