@@ -1696,15 +1696,6 @@ def builtin_task(args):
     model_path, dataset = args.model_name_or_path, args.dataset
     eval_dataset = None if args.eval_dataset == "auto" else args.eval_dataset
     if "builtin" in (model_path, dataset):
-        for old in os.listdir(tempfile.gettempdir()):  # those of ended processes
-            pid = re.match(r"ppo_rlhf_builtin_(\d+)_", old)
-            try:
-                if pid:
-                    os.kill(int(pid[1]), 0)  # no signal: only asks whether it exists
-            except ProcessLookupError:
-                shutil.rmtree(os.path.join(tempfile.gettempdir(), old), ignore_errors=True)
-            except PermissionError:  # another user's
-                pass
         folder = tempfile.mkdtemp(prefix=f"ppo_rlhf_builtin_{os.getpid()}_")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         held_out = dataset == "builtin" and args.eval_dataset == "auto"
