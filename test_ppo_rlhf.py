@@ -2407,9 +2407,9 @@ def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path, monkeypatch, fused,
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.05)
     reference.save_pretrained(str(tmp_path / "ref"))
     AutoTokenizer.from_pretrained(tiny["gpt2"]).save_pretrained(str(tmp_path / "ref"))
-    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"], learning_rate=0.0,
-                    ref_model_path=str(tmp_path / "ref"), eval_dataset=tiny["txt"], total_episodes=8, stop_token_id=5,
-                    temperature=0.8, kl_estimator=kl_estimator)
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
+                    learning_rate=0.0, ref_model_path=str(tmp_path / "ref"), eval_dataset=tiny["txt"],
+                    total_episodes=8, stop_token_id=8, temperature=0.8, kl_estimator=kl_estimator)
     P.main(args)
     m = read_metrics(args.output_dir)[-1]
     assert {"state_values", "response_logprobs"} <= set(forwards)  # the training's scoring made them
@@ -2421,7 +2421,7 @@ def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path, monkeypatch, fused,
         for _ in range(6):
             with torch.no_grad():
                 ids.append(policy(torch.tensor([ids])).logits[0, -1].argmax().item())
-            if ids[-1] == 5:
+            if ids[-1] == 8:  # the second answer ends at 1 token: padding after it
                 break
         n, x = len(ids) - len(tokenizer(prompt)["input_ids"]), torch.tensor([ids])
         kl = 0.0
