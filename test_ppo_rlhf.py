@@ -2408,8 +2408,8 @@ def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path, monkeypatch, fused,
     reference.save_pretrained(str(tmp_path / "ref"))
     AutoTokenizer.from_pretrained(tiny["gpt2"]).save_pretrained(str(tmp_path / "ref"))
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
-                    learning_rate=0.0, ref_model_path=str(tmp_path / "ref"), eval_dataset=tiny["txt"],
-                    total_episodes=8, stop_token_id=8, temperature=0.8, kl_estimator=kl_estimator)
+                    learning_rate=0.0, ref_model_path=str(tmp_path / "ref"), total_episodes=8,
+                    eval_dataset=tiny["txt"], stop_token_id=8, temperature=0.8, kl_estimator=kl_estimator)
     P.main(args)
     m = read_metrics(args.output_dir)[-1]
     assert {"state_values", "response_logprobs"} <= set(forwards)  # the training's scoring made them
