@@ -2409,7 +2409,8 @@ def test_evaluation_metrics_on_a_fixed_model(tiny, tmp_path, monkeypatch, fused,
     AutoTokenizer.from_pretrained(tiny["gpt2"]).save_pretrained(str(tmp_path / "ref"))
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
                     learning_rate=0.0, ref_model_path=str(tmp_path / "ref"), total_episodes=8,
-                    eval_dataset=tiny["txt"], stop_token_id=8, temperature=0.8, kl_estimator=kl_estimator)
+                    eval_dataset=tiny["txt"], stop_token_id=8, temperature=0.8,
+                    kl_estimator=kl_estimator)
     P.main(args)
     m = read_metrics(args.output_dir)[-1]
     assert {"state_values", "response_logprobs"} <= set(forwards)  # the training's scoring made them
@@ -2568,13 +2569,14 @@ def test_the_readmes_snippet_plotting_the_metrics_runs(builtin_run, tmp_path):
 
 
 def test_a_built_in_run_removes_its_temp_folder_at_exit(tmp_path):
-    """The built-in task's model lives in a temp folder of the process, there while it runs, removed at exit."""
+    """The built-in task's model lives in a temp folder of the process, there while it runs,
+    removed at exit."""
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "OMP_NUM_THREADS": "1"}
     os.makedirs(tmp_path / "tmp")
-    run = subprocess.Popen([sys.executable, SCRIPT, "--output_dir", str(tmp_path / "a"), "--total_episodes", "128"],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [sys.executable, SCRIPT, "--output_dir", str(tmp_path / "a"), "--total_episodes", "128"]
+    run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while not os.listdir(tmp_path / "tmp") and time.time() < deadline:  # made before the model loads
+    while not os.listdir(tmp_path / "tmp") and time.time() < deadline:  # made before models load
         time.sleep(0.05)
     left = os.listdir(tmp_path / "tmp")
     assert left and left[0].startswith(f"ppo_rlhf_builtin_{run.pid}_")
