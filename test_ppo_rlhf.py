@@ -2573,7 +2573,7 @@ def test_a_built_in_run_removes_its_temp_folder_at_exit(tmp_path):
     removed at exit."""
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "OMP_NUM_THREADS": "1"}
     os.makedirs(tmp_path / "tmp")
-    command = [sys.executable, SCRIPT, "--output_dir", str(tmp_path / "a"), "--total_episodes", "128"]
+    command = [sys.executable, SCRIPT, "--output_dir", tmp_path / "a", "--total_episodes", "128"]
     run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not os.listdir(tmp_path / "tmp") and time.time() < deadline:  # made before models load
