@@ -521,7 +521,7 @@ def forward(model, input_ids, attention_mask, keep):
 
 
 def logprobs_chunk_rows(vocab_size):
-    """Rows of (rows, V) float32 logits held at once: about 64 MiB (chunked_logprobs, exact_kl)."""
+    """Rows of (rows, V) float32 logits held at once: about 64 MiB (chunked_logprobs)."""
     return max(1, 2**24 // vocab_size)
 
 
@@ -1260,7 +1260,7 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
     scores, num_rms = scored["raw_scores"], len(models.reward_models)
     metrics = {"eval/score": scores, "eval/response_length": batch["lengths"]}  # (B,) each
     if models.ref_policy is not None:
-        metrics["eval/kl"] = exact_kl(models, batch, args, rt)
+        metrics["eval/kl"] = held_out_kl(models, batch, args, rt)
     if models.builtin_reward:
         metrics["eval/success_rate"] = scores == 1
     if num_rms > 1:  # as objective/rm_spread
@@ -1277,24 +1277,21 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
     return means, samples
 
 
-def exact_kl(models, batch, args, rt):
-    """Σ_t Σ_v π_θ·(log π_θ − log π_ref) per response (B,), by chunks of logits."""
-    mask, T, head, ref_head = batch["response_mask"], args.temperature, models.policy_head, models.ref_head
-    fused = head is not None and ref_head is not None
-    n = logprobs_chunk_rows(models.policy.get_output_embeddings().weight.shape[0])  # rows of one (n, V)
-    chunk = args.local_rollout_forward_batch_size if fused else max(1, n // mask.shape[1])  # sequences
-    hidden_or_logits, kl = last_hidden if fused else forward, []  # per real token, in mask order
+def held_out_kl(models, batch, args, rt):
+    """Σ_t KL_t per response (B,), the training's sampled estimate (--kl_estimator k1/k2/k3) from
+    log π and log π_ref at --temperature. Greedy answers (--eval_temperature 0) are no samples of π
+    at --temperature: then a diagnostic, not an unbiased KL."""
+    mask, context_length = batch["response_mask"], batch["context_length"]
+    kl = torch.zeros(mask.shape, device=mask.device)  # (B, R)
     with rt.no_grad(), rt.autocast():
-        for rows, L, ids, ids_mask in response_chunks(batch, chunk):
-            ids, ids_mask, real = ids[:, :-1], ids_mask[:, :-1], mask[rows, :L]
-            x = hidden_or_logits(models.policy, ids, ids_mask, L)[real]  # (N, H) or (N, V)
+        for rows, L, ids, ids_mask in response_chunks(batch, args.local_rollout_forward_batch_size):
+            logprobs = response_logprobs(models.policy, ids, ids_mask, context_length,
+                                         args.temperature, models.policy_head)[0]
             with models.reference():
-                x_ref = hidden_or_logits(models.ref_policy, ids, ids_mask, L)[real]
-            for x_n, x_ref_n in zip(x.split(n), x_ref.split(n)):  # (n, V) logits at a time
-                logp = chunk_logits(x_n, head if fused else None, T).log_softmax(-1)
-                ref = chunk_logits(x_ref_n, ref_head if fused else None, T).log_softmax(-1)
-                kl.append((logp.exp() * (logp - ref)).sum(-1))
-    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask, torch.cat(kl)).sum(1)
+                ref_logprobs = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
+                                                 args.temperature, models.ref_head)[0]
+            kl[rows, :L] = kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
+    return torch.where(mask, kl, 0.0).sum(1)
 
 
 # ------------------------------------------------------ replay: off-policy updates (--replay_rounds)
@@ -1720,15 +1717,6 @@ def builtin_task(args):
     model_path, dataset = args.model_name_or_path, args.dataset
     eval_dataset = None if args.eval_dataset == "auto" else args.eval_dataset
     if "builtin" in (model_path, dataset):
-        for old in os.listdir(tempfile.gettempdir()):  # those of ended processes
-            pid = re.match(r"ppo_rlhf_builtin_(\d+)_", old)
-            try:
-                if pid:
-                    os.kill(int(pid[1]), 0)  # no signal: only asks whether it exists
-            except ProcessLookupError:
-                shutil.rmtree(os.path.join(tempfile.gettempdir(), old), ignore_errors=True)
-            except PermissionError:  # another user's
-                pass
         folder = tempfile.mkdtemp(prefix=f"ppo_rlhf_builtin_{os.getpid()}_")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         held_out = dataset == "builtin" and args.eval_dataset == "auto"
@@ -2034,11 +2022,6 @@ def chunked_logprobs(x, tokens, temperature=1.0, head=None):
     parts = [torch.utils.checkpoint.checkpoint(chunk, x_rows, token_rows, use_reentrant=False)
              for x_rows, token_rows in zip(x.flatten(0, 1).split(n), tokens.flatten().split(n))]
     return tuple(torch.cat(values).view(tokens.shape) for values in zip(*parts))
-
-
-def chunk_logits(x, head, temperature):
-    """One chunk's float32 z / T: x itself (logits), or z = head(x) from hidden states x (N, H)."""
-    return (x if head is None else head(x)).float() / temperature
 
 
 def output_layer(model):
