@@ -806,7 +806,7 @@ def main(args: Args):
     for update in range(start_update, last_update):
         log.start_update()  # the clock of its phases
         done = {**progress, "kl_coef": kl_coef}  # the loop's state after `update` updates
-        save = partial(save_before_failing, output_dir, update, done, *saved)  # if a reward fails
+        save = partial(checkpoint, output_dir, update, done, *saved, failing=True)  # a reward fails
         ON_FAILURE[:] = [save] if update else []
         # each rank its own slice of the global batch and its own seed (ints hash to themselves):
         # a resumed run continues exactly, with no RNG state to restore
@@ -2068,7 +2068,7 @@ RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample
 CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
 DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
-ON_FAILURE = []  # save_before_failing while the weights are the last update's; agreed() runs it
+ON_FAILURE = []  # checkpoint(failing=True) while the weights are the last update's (agreed())
 
 
 def full_state_dict(model, dtypes=None):
@@ -2312,18 +2312,10 @@ def default_output_dir(args):
     return f"runs/{prefix}{int(time.time())}"
 
 
-def save_before_failing(output_dir, update, *state):
-    """A failure after update 1 (a reward source's, in agreed()) first saves the updates done, as a
-    stop signal does. -> the error line's end: how to go on."""
-    checkpoint(output_dir, update, *state, failing=True)
-    path = os.path.join(output_dir, f"checkpoint-{update:06d}")
-    return (f"; saved {path}: fix it, then continue with the same flags plus --output_dir "
-            f"{output_dir} --resume auto")
-
-
 def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt,
                models, log, failing=False):
-    """All a run needs: every --save_every updates, on a signal or failing. -> whether to stop."""
+    """All a run needs: every --save_every updates, on a signal, or failing (a reward source's after
+    update 1, in agreed()). -> whether to stop; failing: the error line's end, how to go on."""
     stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
     if not (stop or failing or args.save_every and update % args.save_every == 0):
         return False
@@ -2350,14 +2342,14 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
         shutil.rmtree(old)
     if rt.torchrun:
         dist.barrier()  # wait for the write here
-    if stop:  # how to go on
-        line = (f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
-                "--resume auto")
+    line = (f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
+            "--resume auto")  # how to go on
+    if stop:
         log.print(line)
         if rt.rank == 0:  # in the run folder too: a `| tee` dies with the Ctrl-C
             with open(os.path.join(output_dir, "stopped.txt"), "w") as f:
                 f.write(f"stopped by a signal after update {update}\n{line}\n")
-    return stop
+    return f"; {line}" if failing else stop
 
 
 def request_stop(signum, frame):

@@ -3246,8 +3246,8 @@ def test_a_reward_function_that_fails_at_update_3_leaves_a_checkpoint_of_update_
     line = str(failure.value)
     assert "\n" not in line
     assert line.startswith(f"error: --reward_fn {__file__}:down_at_update_3 raised ")
-    assert line.endswith(f"; saved {out}/checkpoint-000002: fix it, then continue with the same "
-                         f"flags plus --output_dir {out} --resume auto")
+    assert line.endswith(f"; saved {out}/checkpoint-000002; continue with the same "
+                         f"flags plus: --output_dir {out} --resume auto")
     assert P.list_checkpoints(out) == [f"{out}/checkpoint-000002"] and len(read_metrics(out)) == 2
     monkeypatch.delenv("GRADER_DOWN")
     P.main(run_args(tiny, tmp_path, resume="auto", **flags))
