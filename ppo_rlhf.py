@@ -2231,11 +2231,6 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
     return state["update"], progress
 
 
-def replay_on(batches, device):
-    """The replay buffer's batches with their tensors on device."""
-    return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
-
-
 def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
     """--resume: load the newest checkpoint that loads, cut the logs back to it."""
     # the loop's state besides the weights: non-finite streak, β, score moments (count, mean, M2)
@@ -2320,20 +2315,18 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
     if not (stop or failing or args.save_every and update % args.save_every == 0):
         return False
     import torch.distributed.checkpoint as dcp
-    progress = dict(progress)
-    replay = progress.pop("replay", None)
+    config = {k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS}
+    state = dict(update=update, **progress, lr_scheduler=lr_scheduler.state_dict(),
+                 scaler=scaler.state_dict(), world_size=rt.world_size, config=config,
+                 stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
+    replay = state.pop("replay", None)
+    files = {"state.pt": state} if rt.rank == 0 else {}  # the rest, small
+    if replay is not None:  # each rank its own buffer, which a resume reads back
+        files[f"replay-rank{rt.rank}.pt"] = [{k: v.cpu() if torch.is_tensor(v) else v
+                                              for k, v in b.items()} for b in replay]
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
     with save_folder(path, rt.torchrun) as tmp:  # weights and AdamW state: each rank its shards (DCP, fsynced)
         quietly(dcp.save, trained_state(model, optimizer, args), checkpoint_id=tmp, no_dist=not rt.torchrun)
-        files = {}
-        if replay is not None:  # each rank its own buffer, which a resume reads back
-            files[f"replay-rank{rt.rank}.pt"] = replay_on(replay, "cpu")
-        if rt.rank == 0:  # the rest, small
-            config = {k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS}
-            state = dict(update=update, **progress, lr_scheduler=lr_scheduler.state_dict(),
-                         scaler=scaler.state_dict(), world_size=rt.world_size, config=config,
-                         stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
-            files["state.pt"] = state
         for name, value in files.items():  # on disk before the folder is swapped in
             torch.save(value, os.path.join(tmp, name))
             with open(os.path.join(tmp, name), "rb") as f:
