@@ -2283,28 +2283,23 @@ def resume_candidates(args, output_dir):
 
 
 def run_folder(args, rt):
-    """--output_dir as rank 0 sees it; None if --resume auto finds a complete run."""
-    output_dir, marker = args.output_dir or default_output_dir(args), None
-    complete = os.path.join(output_dir, "complete.json")
-    if args.resume == "auto" and os.path.isfile(complete):
-        with open(complete) as f:
+    """--output_dir as rank 0 sees it, by default runs/<exp_name>__<seed>__<unix time> (--resume
+    auto: the newest with a checkpoint or complete); None if --resume auto finds a complete run."""
+    prefix, marker = f"{args.exp_name}__{args.seed}__", None
+    output_dir = args.output_dir or f"runs/{prefix}{int(time.time())}"
+    if args.resume == "auto" and not args.output_dir and os.path.isdir("runs"):
+        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
+                and (list_checkpoints(f"runs/{d}") or os.path.isfile(f"runs/{d}/complete.json"))]
+        if runs:  # stopped, or finished: says so
+            output_dir = f"runs/{max(runs, key=lambda d: int(d.removeprefix(prefix)))}"
+    if args.resume == "auto" and os.path.isfile(f"{output_dir}/complete.json"):
+        with open(f"{output_dir}/complete.json") as f:
             marker = json.load(f)
     output_dir, marker = all_ranks_objects((output_dir, marker))[0]  # rank 0's
     if marker and rt.rank == 0:
         say(f"--resume auto: {output_dir} holds a complete run of {marker['updates']} updates, nothing to resume; "
             f"saved there: {marker['saved']}")
     return None if marker else output_dir
-
-
-def default_output_dir(args):
-    """runs/<exp_name>__<seed>__<unix time>, or with --resume auto the newest."""
-    prefix = f"{args.exp_name}__{args.seed}__"
-    if args.resume == "auto" and os.path.isdir("runs"):
-        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
-                and (list_checkpoints(f"runs/{d}") or os.path.isfile(f"runs/{d}/complete.json"))]
-        if runs:  # stopped, or finished: says so
-            return f"runs/{max(runs, key=lambda d: int(d.removeprefix(prefix)))}"
-    return f"runs/{prefix}{int(time.time())}"
 
 
 def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt,

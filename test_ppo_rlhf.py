@@ -3393,7 +3393,8 @@ def test_resume_auto_alone_takes_the_newest_run_folder_that_has_a_checkpoint(tmp
                                ("ppo_rlhf__2__400", True), ("other__1__500", True), ("ppo_rlhf__1__600.old", True)):
         os.makedirs(f"runs/{folder}/checkpoint-000001" if checkpoint else f"runs/{folder}")
         (tmp_path / "runs" / folder / "metrics.jsonl").write_text("{}\n")
-    assert P.default_output_dir(P.Args(resume="auto")) == os.path.join("runs", "ppo_rlhf__1__200")
+    folder = P.run_folder(P.Args(resume="auto"), SimpleNamespace(rank=0))
+    assert folder == os.path.join("runs", "ppo_rlhf__1__200")
 
 
 def test_only_rank_0_prints_the_stop_notice(monkeypatch, capsys):
