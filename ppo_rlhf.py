@@ -2079,7 +2079,8 @@ def full_state_dict(model, dtypes=None):
     for key, value in get_model_state_dict(model).items():  # this rank's shards under FSDP2
         value = value.to((dtypes or {}).get(key.split(".")[0]) or value.dtype) if value.is_floating_point() else value
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
-        state.update({key: value.cpu()} if first else {})
+        if first:
+            state[key] = value.cpu()
     return state
 
 
@@ -2146,18 +2147,19 @@ def save_folder(path, all_ranks=False):
     """Yields path.tmp to write into (all_ranks: every rank writes), then swaps it in: a crash never leaves a
     half-written one."""
     first = not all_ranks or dist.get_rank() == 0  # makes and swaps the folder
+    tmp = path + ".tmp"
     if first:
-        shutil.rmtree(path + ".tmp", ignore_errors=True)
-        os.makedirs(path + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     if all_ranks:
         dist.barrier()
-    yield path + ".tmp"
+    yield tmp
     if all_ranks:
         dist.barrier()  # every rank's files are written
-    if first and os.path.exists(path):
-        os.replace(path, path + ".old")
     if first:
-        os.replace(path + ".tmp", path)
+        if os.path.exists(path):
+            os.replace(path, path + ".old")
+        os.replace(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
 
 
@@ -2217,7 +2219,7 @@ def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, mode
         try:
             progress["replay"] = torch.load(os.path.join(path, file), map_location=rt.device,
                                             weights_only=True)
-        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        except DAMAGED as e:
             error = f"{file}: {str(e).strip().splitlines()[0]}"
         failed = list(filter(None, all_ranks_objects(error)))  # every rank skips it, or none does
         if failed:
@@ -2262,7 +2264,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
         log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed run): set aside as "
                   f"metrics.jsonl{stale}, starting over at update 1")
     elif not candidates:  # absolute paths: a requeued job started in another folder looks elsewhere
-        looked = args.output_dir or os.path.join("runs", f"{args.exp_name}__{args.seed}__*")
+        looked = args.output_dir or f"runs/{args.exp_name}__{args.seed}__*"
         log.print(f"--resume auto: no checkpoint in {os.path.abspath(looked)}, nothing to resume: "
                   f"starting {os.path.abspath(output_dir)} at update 1")
     if len(set(all_ranks_objects(start_update))) > 1:
@@ -2310,9 +2312,9 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
     if not (stop or failing or args.save_every and update % args.save_every == 0):
         return False
     import torch.distributed.checkpoint as dcp
-    config = {k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS}
     state = dict(update=update, **progress, lr_scheduler=lr_scheduler.state_dict(),
-                 scaler=scaler.state_dict(), world_size=rt.world_size, config=config,
+                 scaler=scaler.state_dict(), world_size=rt.world_size,
+                 config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS},
                  stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
     replay = state.pop("replay", None)
     files = {"state.pt": state} if rt.rank == 0 else {}  # the rest, small
