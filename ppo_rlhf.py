@@ -2077,7 +2077,8 @@ def full_state_dict(model, dtypes=None):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     state, first = {}, not dist.is_initialized() or dist.get_rank() == 0
     for key, value in get_model_state_dict(model).items():  # this rank's shards under FSDP2
-        value = value.to((dtypes or {}).get(key.split(".")[0]) or value.dtype) if value.is_floating_point() else value
+        if value.is_floating_point():
+            value = value.to((dtypes or {}).get(key.split(".")[0], value.dtype))
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
         if first:
             state[key] = value.cpu()
@@ -2183,10 +2184,9 @@ def check_checkpoint(path, args, stop_token_ids, world_size):
     """state.pt (small; weights_only: runs no code) against this run, before weights load. -> it."""
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     found = state.get("format")
-    exportable = found == 3 and args.export_checkpoint  # 3: the weights as 4's, replay in state.pt
     export = ("export it (--export_checkpoint --resume FOLDER) and start a new run from the "
               "exported policy")
-    if found != CHECKPOINT_FORMAT and not exportable:  # 3: its weights can be read
+    if found != CHECKPOINT_FORMAT and not (found == 3 and args.export_checkpoint):  # 3: 4's weights
         fail(f"--resume {path!r} was written by another version of ppo_rlhf.py (checkpoint format "
              f"{found}, this one reads {CHECKPOINT_FORMAT}); "
              + (export if found == 3 else "start a new run"))
@@ -2308,7 +2308,7 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
                models, log, failing=False):
     """All a run needs: every --save_every updates, on a signal, or failing (a reward source's after
     update 1, in agreed()). -> whether to stop; failing: the error line's end, how to go on."""
-    stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
+    stop = any(all_ranks_objects(bool(STOP_SIGNALS)))  # a signal reached any rank
     if not (stop or failing or args.save_every and update % args.save_every == 0):
         return False
     import torch.distributed.checkpoint as dcp
@@ -2328,8 +2328,9 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
             torch.save(value, os.path.join(tmp, name))
             with open(os.path.join(tmp, name), "rb") as f:
                 os.fsync(f.fileno())
-    for old in list_checkpoints(output_dir)[:-args.save_total_limit] if rt.rank == 0 else []:
-        shutil.rmtree(old)
+    if rt.rank == 0:
+        for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
+            shutil.rmtree(old)
     if rt.torchrun:
         dist.barrier()  # wait for the write here
     line = (f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
