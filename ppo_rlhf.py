@@ -2207,52 +2207,44 @@ def check_checkpoint(path, args, stop_token_ids, world_size):
     return state
 
 
-def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models, progress):
-    """Restore checkpoint() on every rank, checked first. -> (update, progress)."""
+def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
+    """--resume: every rank restores the newest checkpoint that loads; logs are cut back to it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    state = check_checkpoint(path, args, models.stop_token_ids, rt.world_size)
-    progress = {key: state[key] for key in progress if key != "replay"}
-    if args.replay_rounds and not args.export_checkpoint:  # this rank's buffer (an export: none)
-        file = f"replay-rank{rt.rank}.pt"
-        error = None
-        try:
-            progress["replay"] = torch.load(os.path.join(path, file), map_location=rt.device,
-                                            weights_only=True)
-        except DAMAGED as e:
-            error = f"{file}: {str(e).strip().splitlines()[0]}"
-        failed = list(filter(None, all_ranks_objects(error)))  # every rank skips it, or none does
-        if failed:
-            raise OSError(failed[0])  # damaged: resume() tries an older one
-    trained = trained_state(model, optimizer, args)
-    quietly(dcp.load, trained, checkpoint_id=path, no_dist=not rt.torchrun)  # each rank reads its shards
-    set_state_dict(model, optimizer, options=StateDictOptions(strict=not args.lora_r),
-                   model_state_dict=trained["model"], optim_state_dict=trained["optimizer"])
-    lr_scheduler.load_state_dict(state["lr_scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    return state["update"], progress
-
-
-def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
-    """--resume: load the newest checkpoint that loads, cut the logs back to it."""
     # the loop's state besides the weights: non-finite streak, β, score moments (count, mean, M2)
     progress = dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0))
     if args.replay_rounds:  # the last N batches
         progress["replay"] = []
     if not args.resume:
         return 0, progress
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     logs = [os.path.join(output_dir, f) for f in ("metrics.jsonl", "samples.jsonl") if rt.rank == 0]
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
     candidates = all_ranks_objects(resume_candidates(args, output_dir))[0]
     start_update = 0
     for path in candidates:
         try:
-            start_update, progress = load_checkpoint(path, model, optimizer, lr_scheduler, scaler,
-                                                     args, rt, models, progress)
+            state = check_checkpoint(path, args, models.stop_token_ids, rt.world_size)
+            progress = {key: state[key] for key in progress if key != "replay"}
+            if args.replay_rounds and not args.export_checkpoint:  # its replay buffer; export: none
+                file, error = f"replay-rank{rt.rank}.pt", None
+                try:
+                    progress["replay"] = torch.load(os.path.join(path, file), weights_only=True,
+                                                    map_location=rt.device)
+                except DAMAGED as e:
+                    error = f"{file}: {str(e).strip().splitlines()[0]}"
+                failed = list(filter(None, all_ranks_objects(error)))  # all ranks skip it, or none
+                if failed:
+                    raise OSError(failed[0])  # damaged: an older one is tried
+            trained = trained_state(model, optimizer, args)
+            quietly(dcp.load, trained, checkpoint_id=path, no_dist=not rt.torchrun)  # its shards
+            set_state_dict(model, optimizer, options=StateDictOptions(strict=not args.lora_r),
+                           model_state_dict=trained["model"], optim_state_dict=trained["optimizer"])
+            lr_scheduler.load_state_dict(state["lr_scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            start_update = state["update"]
             log.print(f"resumed from {path} after update {start_update}")
             break
-        except (*DAMAGED, CheckpointException) as e:
+        except (*DAMAGED, dcp.CheckpointException) as e:  # the latter a BaseException
             reason = str(e).strip().splitlines()[0]
             if path == candidates[-1]:  # the one named, or the oldest
                 fail(f"--resume {path!r} cannot be loaded: {reason}")
