@@ -2075,7 +2075,7 @@ def full_state_dict(model, dtypes=None):
     """Full state of a plain, DDP or FSDP2 model on rank 0's CPU: a collective, a tensor at a time. dtypes
     {"policy": bf16, ...}: FSDP2's shards are cast first, so the gather moves (and rank 0 holds) the saved dtype."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    state, first = {}, not dist.is_initialized() or dist.get_rank() == 0
+    state, first = {}, not in_process_group() or dist.get_rank() == 0
     for key, value in get_model_state_dict(model).items():  # this rank's shards under FSDP2
         if value.is_floating_point():
             value = value.to((dtypes or {}).get(key.split(".")[0], value.dtype))
@@ -2217,7 +2217,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
         progress["replay"] = []
     if not args.resume:
         return 0, progress
-    logs = [os.path.join(output_dir, f) for f in ("metrics.jsonl", "samples.jsonl") if rt.rank == 0]
+    logs = [f"{output_dir}/{f}" for f in ("metrics.jsonl", "samples.jsonl") if rt.rank == 0]
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
     candidates = all_ranks_objects(resume_candidates(args, output_dir))[0]
     start_update = 0
@@ -2317,8 +2317,9 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
     with save_folder(path, rt.torchrun) as tmp:  # weights and AdamW state: each rank its shards (DCP, fsynced)
         quietly(dcp.save, trained_state(model, optimizer, args), checkpoint_id=tmp, no_dist=not rt.torchrun)
         for name, value in files.items():  # on disk before the folder is swapped in
-            torch.save(value, os.path.join(tmp, name))
-            with open(os.path.join(tmp, name), "rb") as f:
+            file = os.path.join(tmp, name)
+            torch.save(value, file)
+            with open(file, "rb") as f:
                 os.fsync(f.fileno())
     if rt.rank == 0:
         for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
