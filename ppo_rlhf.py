@@ -2068,7 +2068,7 @@ RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample
 CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
 DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
-ON_FAILURE = []  # checkpoint(failing=True) while the weights are the last update's (agreed())
+ON_FAILURE = []  # checkpoint(failing=True) while the weights are the last update's; errors run it
 
 
 def full_state_dict(model, dtypes=None):
