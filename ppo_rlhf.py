@@ -833,7 +833,7 @@ def main(args: Args):
     for update in range(start_update, last_update):
         log.start_update()  # the clock of its phases
         done = {**progress, "kl_coef": kl_coef}  # the loop's state after `update` updates
-        save = partial(save_before_failing, output_dir, update, done, *saved)  # if a reward fails
+        save = partial(checkpoint, output_dir, update, done, *saved, failing=True)  # a reward fails
         ON_FAILURE[:] = [save] if update else []
         # each rank its own slice of the global batch and its own seed (ints hash to themselves):
         # a resumed run continues exactly, with no RNG state to restore
@@ -2072,18 +2072,20 @@ RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample
 CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
 DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
-ON_FAILURE = []  # save_before_failing while the weights are the last update's; agreed() runs it
+ON_FAILURE = []  # checkpoint(failing=True) while the weights are the last update's; errors run it
 
 
 def full_state_dict(model, dtypes=None):
     """Full state of a plain, DDP or FSDP2 model on rank 0's CPU: a collective, a tensor at a time. dtypes
     {"policy": bf16, ...}: FSDP2's shards are cast first, so the gather moves (and rank 0 holds) the saved dtype."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    state, first = {}, not dist.is_initialized() or dist.get_rank() == 0
+    state, first = {}, not in_process_group() or dist.get_rank() == 0
     for key, value in get_model_state_dict(model).items():  # this rank's shards under FSDP2
-        value = value.to((dtypes or {}).get(key.split(".")[0]) or value.dtype) if value.is_floating_point() else value
+        if value.is_floating_point():
+            value = value.to((dtypes or {}).get(key.split(".")[0], value.dtype))
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
-        state.update({key: value.cpu()} if first else {})
+        if first:
+            state[key] = value.cpu()
     return state
 
 
@@ -2140,18 +2142,19 @@ def save_folder(path, all_ranks=False):
     """Yields path.tmp to write into (all_ranks: every rank writes), then swaps it in: a crash never leaves a
     half-written one."""
     first = not all_ranks or dist.get_rank() == 0  # makes and swaps the folder
+    tmp = path + ".tmp"
     if first:
-        shutil.rmtree(path + ".tmp", ignore_errors=True)
-        os.makedirs(path + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     if all_ranks:
         dist.barrier()
-    yield path + ".tmp"
+    yield tmp
     if all_ranks:
         dist.barrier()  # every rank's files are written
-    if first and os.path.exists(path):
-        os.replace(path, path + ".old")
     if first:
-        os.replace(path + ".tmp", path)
+        if os.path.exists(path):
+            os.replace(path, path + ".old")
+        os.replace(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
 
 
@@ -2175,10 +2178,9 @@ def check_checkpoint(path, args, stop_token_ids, world_size):
     """state.pt (small; weights_only: runs no code) against this run, before weights load. -> it."""
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     found = state.get("format")
-    exportable = found == 3 and args.export_checkpoint  # 3: the weights as 4's, replay in state.pt
     export = ("export it (--export_checkpoint --resume FOLDER) and start a new run from the "
               "exported policy")
-    if found != CHECKPOINT_FORMAT and not exportable:  # 3: its weights can be read
+    if found != CHECKPOINT_FORMAT and not (found == 3 and args.export_checkpoint):  # 3: 4's weights
         fail(f"--resume {path!r} was written by another version of ppo_rlhf.py (checkpoint format "
              f"{found}, this one reads {CHECKPOINT_FORMAT}); "
              + (export if found == 3 else "start a new run"))
@@ -2199,57 +2201,44 @@ def check_checkpoint(path, args, stop_token_ids, world_size):
     return state
 
 
-def load_checkpoint(path, model, optimizer, lr_scheduler, scaler, args, rt, models, progress):
-    """Restore checkpoint() on every rank, checked first. -> (update, progress)."""
+def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
+    """--resume: every rank restores the newest checkpoint that loads; logs are cut back to it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    state = check_checkpoint(path, args, models.stop_token_ids, rt.world_size)
-    progress = {key: state[key] for key in progress if key != "replay"}
-    if args.replay_rounds and not args.export_checkpoint:  # this rank's buffer (an export: none)
-        file = f"replay-rank{rt.rank}.pt"
-        error = None
-        try:
-            progress["replay"] = torch.load(os.path.join(path, file), map_location=rt.device,
-                                            weights_only=True)
-        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-            error = f"{file}: {str(e).strip().splitlines()[0]}"
-        failed = list(filter(None, all_ranks_objects(error)))  # every rank skips it, or none does
-        if failed:
-            raise OSError(failed[0])  # damaged: resume() tries an older one
-    trained = trained_state(model, optimizer, args)
-    quietly(dcp.load, trained, checkpoint_id=path, no_dist=not rt.torchrun)  # each rank reads its shards
-    set_state_dict(model, optimizer, options=StateDictOptions(strict=not args.lora_r),
-                   model_state_dict=trained["model"], optim_state_dict=trained["optimizer"])
-    lr_scheduler.load_state_dict(state["lr_scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    return state["update"], progress
-
-
-def replay_on(batches, device):
-    """The replay buffer's batches with their tensors on device."""
-    return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
-
-
-def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
-    """--resume: load the newest checkpoint that loads, cut the logs back to it."""
     # the loop's state besides the weights: non-finite streak, β, score moments (count, mean, M2)
     progress = dict(bad_updates=0, kl_coef=args.kl_coef, score_moments=(0, 0.0, 0.0))
     if args.replay_rounds:  # the last N batches
         progress["replay"] = []
     if not args.resume:
         return 0, progress
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-    logs = [os.path.join(output_dir, f) for f in ("metrics.jsonl", "samples.jsonl") if rt.rank == 0]
+    logs = [f"{output_dir}/{f}" for f in ("metrics.jsonl", "samples.jsonl") if rt.rank == 0]
     # rank 0's view of the folder decides, so every rank tries the same checkpoints in order
     candidates = all_ranks_objects(resume_candidates(args, output_dir))[0]
     start_update = 0
     for path in candidates:
         try:
-            start_update, progress = load_checkpoint(path, model, optimizer, lr_scheduler, scaler,
-                                                     args, rt, models, progress)
+            state = check_checkpoint(path, args, models.stop_token_ids, rt.world_size)
+            progress = {key: state[key] for key in progress if key != "replay"}
+            if args.replay_rounds and not args.export_checkpoint:  # its replay buffer; export: none
+                file, error = f"replay-rank{rt.rank}.pt", None
+                try:
+                    progress["replay"] = torch.load(os.path.join(path, file), weights_only=True,
+                                                    map_location=rt.device)
+                except DAMAGED as e:
+                    error = f"{file}: {str(e).strip().splitlines()[0]}"
+                failed = list(filter(None, all_ranks_objects(error)))  # all ranks skip it, or none
+                if failed:
+                    raise OSError(failed[0])  # damaged: an older one is tried
+            trained = trained_state(model, optimizer, args)
+            quietly(dcp.load, trained, checkpoint_id=path, no_dist=not rt.torchrun)  # its shards
+            set_state_dict(model, optimizer, options=StateDictOptions(strict=not args.lora_r),
+                           model_state_dict=trained["model"], optim_state_dict=trained["optimizer"])
+            lr_scheduler.load_state_dict(state["lr_scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            start_update = state["update"]
             log.print(f"resumed from {path} after update {start_update}")
             break
-        except (*DAMAGED, CheckpointException) as e:
+        except (*DAMAGED, dcp.CheckpointException) as e:  # the latter a BaseException
             reason = str(e).strip().splitlines()[0]
             if path == candidates[-1]:  # the one named, or the oldest
                 fail(f"--resume {path!r} cannot be loaded: {reason}")
@@ -2261,7 +2250,7 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
         log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed run): set aside as "
                   f"metrics.jsonl{stale}, starting over at update 1")
     elif not candidates:  # absolute paths: a requeued job started in another folder looks elsewhere
-        looked = args.output_dir or os.path.join("runs", f"{args.exp_name}__{args.seed}__*")
+        looked = args.output_dir or f"runs/{args.exp_name}__{args.seed}__*"
         log.print(f"--resume auto: no checkpoint in {os.path.abspath(looked)}, nothing to resume: "
                   f"starting {os.path.abspath(output_dir)} at update 1")
     if len(set(all_ranks_objects(start_update))) > 1:
@@ -2282,11 +2271,17 @@ def resume_candidates(args, output_dir):
 
 
 def run_folder(args, rt):
-    """--output_dir as rank 0 sees it; None if --resume auto finds a complete run."""
-    output_dir, marker = args.output_dir or default_output_dir(args), None
-    complete = os.path.join(output_dir, "complete.json")
-    if args.resume == "auto" and os.path.isfile(complete):
-        with open(complete) as f:
+    """--output_dir as rank 0 sees it, by default runs/<exp_name>__<seed>__<unix time> (--resume
+    auto: the newest with a checkpoint or complete); None if --resume auto finds a complete run."""
+    prefix, marker = f"{args.exp_name}__{args.seed}__", None
+    output_dir = args.output_dir or f"runs/{prefix}{int(time.time())}"
+    if args.resume == "auto" and not args.output_dir and os.path.isdir("runs"):
+        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
+                and (list_checkpoints(f"runs/{d}") or os.path.isfile(f"runs/{d}/complete.json"))]
+        if runs:  # stopped, or finished: says so
+            output_dir = f"runs/{max(runs, key=lambda d: int(d.removeprefix(prefix)))}"
+    if args.resume == "auto" and os.path.isfile(f"{output_dir}/complete.json"):
+        with open(f"{output_dir}/complete.json") as f:
             marker = json.load(f)
     output_dir, marker = all_ranks_objects((output_dir, marker))[0]  # rank 0's
     if marker and rt.rank == 0:
@@ -2295,63 +2290,44 @@ def run_folder(args, rt):
     return None if marker else output_dir
 
 
-def default_output_dir(args):
-    """runs/<exp_name>__<seed>__<unix time>, or with --resume auto the newest."""
-    prefix = f"{args.exp_name}__{args.seed}__"
-    if args.resume == "auto" and os.path.isdir("runs"):
-        runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
-                and (list_checkpoints(f"runs/{d}") or os.path.isfile(f"runs/{d}/complete.json"))]
-        if runs:  # stopped, or finished: says so
-            return f"runs/{max(runs, key=lambda d: int(d.removeprefix(prefix)))}"
-    return f"runs/{prefix}{int(time.time())}"
-
-
-def save_before_failing(output_dir, update, *state):
-    """A failure after update 1 (a reward source's, in agreed()) first saves the updates done, as a
-    stop signal does. -> the error line's end: how to go on."""
-    checkpoint(output_dir, update, *state, failing=True)
-    path = os.path.join(output_dir, f"checkpoint-{update:06d}")
-    return (f"; saved {path}: fix it, then continue with the same flags plus --output_dir "
-            f"{output_dir} --resume auto")
-
-
 def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, scaler, args, rt,
                models, log, failing=False):
-    """All a run needs: every --save_every updates, on a signal or failing. -> whether to stop."""
-    stop = all_ranks_sum(torch.tensor([len(STOP_SIGNALS)], device=rt.device)).item() > 0
+    """All a run needs: every --save_every updates, on a signal, or failing (a reward source's after
+    update 1, in agreed()). -> whether to stop; failing: the error line's end, how to go on."""
+    stop = any(all_ranks_objects(bool(STOP_SIGNALS)))  # a signal reached any rank
     if not (stop or failing or args.save_every and update % args.save_every == 0):
         return False
     import torch.distributed.checkpoint as dcp
-    progress = dict(progress)
-    replay = progress.pop("replay", None)
+    state = dict(update=update, **progress, lr_scheduler=lr_scheduler.state_dict(),
+                 scaler=scaler.state_dict(), world_size=rt.world_size,
+                 config={k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS},
+                 stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
+    replay = state.pop("replay", None)
+    files = {"state.pt": state} if rt.rank == 0 else {}  # the rest, small
+    if replay is not None:  # each rank its own buffer, which a resume reads back
+        files[f"replay-rank{rt.rank}.pt"] = [{k: v.cpu() if torch.is_tensor(v) else v
+                                              for k, v in b.items()} for b in replay]
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
     with save_folder(path, rt.torchrun) as tmp:  # weights and AdamW state: each rank its shards (DCP, fsynced)
         quietly(dcp.save, trained_state(model, optimizer, args), checkpoint_id=tmp, no_dist=not rt.torchrun)
-        files = {}
-        if replay is not None:  # each rank its own buffer, which a resume reads back
-            files[f"replay-rank{rt.rank}.pt"] = replay_on(replay, "cpu")
-        if rt.rank == 0:  # the rest, small
-            config = {k: v for k, v in asdict(args).items() if k not in RUN_ONLY_FIELDS}
-            state = dict(update=update, **progress, lr_scheduler=lr_scheduler.state_dict(),
-                         scaler=scaler.state_dict(), world_size=rt.world_size, config=config,
-                         stop_token_ids=models.stop_token_ids, format=CHECKPOINT_FORMAT)
-            files["state.pt"] = state
         for name, value in files.items():  # on disk before the folder is swapped in
-            torch.save(value, os.path.join(tmp, name))
-            with open(os.path.join(tmp, name), "rb") as f:
+            file = os.path.join(tmp, name)
+            torch.save(value, file)
+            with open(file, "rb") as f:
                 os.fsync(f.fileno())
-    for old in list_checkpoints(output_dir)[:-args.save_total_limit] if rt.rank == 0 else []:
-        shutil.rmtree(old)
+    if rt.rank == 0:
+        for old in list_checkpoints(output_dir)[:-args.save_total_limit]:
+            shutil.rmtree(old)
     if rt.torchrun:
         dist.barrier()  # wait for the write here
-    if stop:  # how to go on
-        line = (f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
-                "--resume auto")
+    line = (f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
+            "--resume auto")  # how to go on
+    if stop:
         log.print(line)
         if rt.rank == 0:  # in the run folder too: a `| tee` dies with the Ctrl-C
             with open(os.path.join(output_dir, "stopped.txt"), "w") as f:
                 f.write(f"stopped by a signal after update {update}\n{line}\n")
-    return stop
+    return f"; {line}" if failing else stop
 
 
 def request_stop(signum, frame):

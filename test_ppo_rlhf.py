@@ -3227,8 +3227,8 @@ def test_a_reward_function_that_fails_at_update_3_leaves_a_checkpoint_of_update_
     line = str(failure.value)
     assert "\n" not in line
     assert line.startswith(f"error: --reward_fn {__file__}:down_at_update_3 failed: ")
-    assert line.endswith(f"; saved {out}/checkpoint-000002: fix it, then continue with the same "
-                         f"flags plus --output_dir {out} --resume auto")
+    assert line.endswith(f"; saved {out}/checkpoint-000002; continue with the same "
+                         f"flags plus: --output_dir {out} --resume auto")
     assert P.list_checkpoints(out) == [f"{out}/checkpoint-000002"] and len(read_metrics(out)) == 2
     monkeypatch.delenv("GRADER_DOWN")
     P.main(run_args(tiny, tmp_path, resume="auto", **flags))
@@ -3374,7 +3374,8 @@ def test_resume_auto_alone_takes_the_newest_run_folder_that_has_a_checkpoint(tmp
                                ("ppo_rlhf__2__400", True), ("other__1__500", True), ("ppo_rlhf__1__600.old", True)):
         os.makedirs(f"runs/{folder}/checkpoint-000001" if checkpoint else f"runs/{folder}")
         (tmp_path / "runs" / folder / "metrics.jsonl").write_text("{}\n")
-    assert P.default_output_dir(P.Args(resume="auto")) == os.path.join("runs", "ppo_rlhf__1__200")
+    folder = P.run_folder(P.Args(resume="auto"), SimpleNamespace(rank=0))
+    assert folder == os.path.join("runs", "ppo_rlhf__1__200")
 
 
 def test_only_rank_0_prints_the_stop_notice(monkeypatch, capsys):
