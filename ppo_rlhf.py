@@ -2076,8 +2076,9 @@ ON_FAILURE = []  # checkpoint(failing=True) while the weights are the last updat
 
 
 def full_state_dict(model, dtypes=None):
-    """Full state of a plain, DDP or FSDP2 model on rank 0's CPU: a collective, a tensor at a time. dtypes
-    {"policy": bf16, ...}: FSDP2's shards are cast first, so the gather moves (and rank 0 holds) the saved dtype."""
+    """Full state of a plain, DDP or FSDP2 model on rank 0's CPU: a collective, a tensor at a time.
+    dtypes {"policy": bf16, ...}: FSDP2's shards are cast first, so the gather moves (and rank 0
+    holds) the saved dtype."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     state, first = {}, not in_process_group() or dist.get_rank() == 0
     for key, value in get_model_state_dict(model).items():  # this rank's shards under FSDP2
@@ -2092,13 +2093,15 @@ def full_state_dict(model, dtypes=None):
 def save_final(model, models, args, output_dir, rt, num_updates):
     """The trained models as from_pretrained folders in --save_dtype, then complete.json."""
     dtypes = dict.fromkeys(models.base_paths, DTYPES[args.save_dtype])  # no value model: no entry
-    weights, written = full_state_dict(model, None if args.lora_r else dtypes), defaultdict(list)  # dtype -> what
+    weights = full_state_dict(model, None if args.lora_r else dtypes)
+    written = defaultdict(list)  # dtype -> what
     if rt.rank:  # after the collective, rank 0 writes
         return ""
     for name, dtype in dtypes.items():
         part = getattr(models, name)
         label, folder = name.replace("_", " "), os.path.join(output_dir, name)
-        state = {k.removeprefix(name + "."): v for k, v in weights.items() if k.startswith(name + ".")}
+        state = {k.removeprefix(f"{name}."): v for k, v in weights.items()
+                 if k.startswith(f"{name}.")}
         base = models.base_paths[name] or os.path.abspath(folder + "_base")  # a LoRA adapter's
         if args.lora_r and not models.base_paths[name]:  # its weights: peft's names, no adapters
             base_state = {re.sub(r"^base_model\.model\.|\.base_layer|\.original_module", "", k): v
@@ -2126,21 +2129,23 @@ def save_final(model, models, args, output_dir, rt, num_updates):
 def save_weights(model, folder, state, dtype):
     """save_pretrained(folder), the float tensors of `state` in dtype; its config.json says so."""
     tied = tied_aliases(model)
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in tied}
-    model.save_pretrained(folder, state_dict=state)  # a gathered state's copies share no storage: tied kept once
+    state = {k: v.to(dtype) if v.is_floating_point() else v
+             for k, v in state.items() if k not in tied}
+    model.save_pretrained(folder, state_dict=state)  # copies share no storage: tied kept once
     model.config.dtype = dtype  # save_pretrained wrote the in-memory one
     model.config.save_pretrained(folder)
 
 
 def tied_aliases(model):
     """The second names of tied weights (lm_head.weight where it is the input embedding)."""
-    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return every - dict(model.named_parameters()).keys()
 
 
 @contextmanager
 def save_folder(path, all_ranks=False):
-    """Yields path.tmp to write into (all_ranks: every rank writes), then swaps it in: a crash never leaves a
-    half-written one."""
+    """Yields path.tmp to write into (all_ranks: every rank writes), then swaps it in: a crash never
+    leaves a half-written one."""
     first = not all_ranks or dist.get_rank() == 0  # makes and swaps the folder
     tmp = path + ".tmp"
     if first:
@@ -2165,7 +2170,7 @@ def list_checkpoints(output_dir):
 
 
 def trained_state(model, optimizer, args):
-    """What DCP saves and loads: this rank's shards (FSDP2) of weights and AdamW state; LoRA: what trains."""
+    """What DCP saves and loads: this rank's shards of weights and AdamW state (LoRA: what trains)"""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     weights, optimizer_state = get_state_dict(model, optimizer)
     if args.lora_r:
@@ -2196,8 +2201,8 @@ def check_checkpoint(path, args, stop_token_ids, world_size):
         fail(f"--resume {path!r} ended responses at stop ids {then}, this run at {stop_token_ids}: "
              f"give {give}")
     if state["world_size"] != world_size and not args.export_checkpoint:  # another prompt stream
-        fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as many "
-             "(torchrun --nproc_per_node)")
+        fail(f"--resume {path!r} was written by {state['world_size']} processes; run it with as "
+             "many (torchrun --nproc_per_node)")
     return state
 
 
@@ -2247,8 +2252,8 @@ def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, mo
         stale = f".stale-{int(time.time())}"  # its logs are kept under this suffix, not deleted
         for path in filter(os.path.exists, logs):
             os.replace(path, path + stale)
-        log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed run): set aside as "
-                  f"metrics.jsonl{stale}, starting over at update 1")
+        log.print(f"--resume auto: {output_dir} has metrics.jsonl but no checkpoint (a crashed "
+                  f"run): set aside as metrics.jsonl{stale}, starting over at update 1")
     elif not candidates:  # absolute paths: a requeued job started in another folder looks elsewhere
         looked = args.output_dir or f"runs/{args.exp_name}__{args.seed}__*"
         log.print(f"--resume auto: no checkpoint in {os.path.abspath(looked)}, nothing to resume: "
@@ -2285,8 +2290,8 @@ def run_folder(args, rt):
             marker = json.load(f)
     output_dir, marker = all_ranks_objects((output_dir, marker))[0]  # rank 0's
     if marker and rt.rank == 0:
-        say(f"--resume auto: {output_dir} holds a complete run of {marker['updates']} updates, nothing to resume; "
-            f"saved there: {marker['saved']}")
+        say(f"--resume auto: {output_dir} holds a complete run of {marker['updates']} updates, "
+            f"nothing to resume; saved there: {marker['saved']}")
     return None if marker else output_dir
 
 
@@ -2308,8 +2313,9 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
         files[f"replay-rank{rt.rank}.pt"] = [{k: v.cpu() if torch.is_tensor(v) else v
                                               for k, v in b.items()} for b in replay]
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
-    with save_folder(path, rt.torchrun) as tmp:  # weights and AdamW state: each rank its shards (DCP, fsynced)
-        quietly(dcp.save, trained_state(model, optimizer, args), checkpoint_id=tmp, no_dist=not rt.torchrun)
+    with save_folder(path, rt.torchrun) as tmp:  # weights, AdamW: each rank its shards (DCP)
+        quietly(dcp.save, trained_state(model, optimizer, args), checkpoint_id=tmp,
+                no_dist=not rt.torchrun)
         for name, value in files.items():  # on disk before the folder is swapped in
             file = os.path.join(tmp, name)
             torch.save(value, file)
