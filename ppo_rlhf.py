@@ -2536,8 +2536,7 @@ def changed_flags(args):
         if isinstance(value, bool):
             words.append(f"--{'' if value else 'no-'}{field.name}")
         else:
-            values = value if isinstance(value, list) else [value]
-            words.append(" ".join([f"--{field.name}", *map(str, values)]))
+            words += [f"--{field.name}", *map(str, value if isinstance(value, list) else [value])]
     return " ".join(words) or "(the defaults)"
 
 
@@ -2551,8 +2550,8 @@ def start_lines(args, sizes, rt, inputs, models, output_dir):
     """What the run trains, on what, where, and the flags that reproduce it (or what it exports)."""
     if args.export_checkpoint:  # no update runs: what it writes, not the training sizes
         names = " and ".join(models.source_dtypes).replace("_", " ")
-        return [f"ppo_rlhf: exporting {args.resume}: {names}, --save_dtype {args.save_dtype}, "
-                f"to {output_dir}"]
+        return (f"ppo_rlhf: exporting {args.resume}: {names}, --save_dtype {args.save_dtype}, "
+                f"to {output_dir}")
     mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
     lora, k = "", args.num_generations
     if args.lora_r:  # what trains
@@ -2567,12 +2566,12 @@ def start_lines(args, sizes, rt, inputs, models, output_dir):
                  "none for one's own --dataset")
         evaluated += f" (--eval_dataset auto: {chose})"
     head = " with a new score head" if getattr(models.value_model, "new_head", False) else ""
-    return [f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
+    return (f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
             f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
             f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
             f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, "
             f"stop ids {models.stop_token_ids or 'none'}, output {output_dir}; "
-            f"{models.value_source}{head}{lora}", f"flags: {changed_flags(args)}"]
+            f"{models.value_source}{head}{lora}\nflags: {changed_flags(args)}")
 
 
 def update_columns(args, models):
@@ -2606,8 +2605,7 @@ class Logger:
         if self.wandb:
             self.wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir),
                             config=asdict(args))
-        for line in start_lines(args, sizes, rt, inputs, models, output_dir):
-            self.print(line)
+        self.print(start_lines(args, sizes, rt, inputs, models, output_dir))
         n, updates = args.num_sample_generations, sizes.num_updates  # evaluated after these
         self.evaluated = {updates - 1, *(range(0, updates, max(1, updates // n)) if n else ())}
         self.last, self.logged, self.start_time = None, 0, time.time()
