@@ -2599,7 +2599,7 @@ class Logger:
     def __init__(self, args, output_dir, sizes, rt, inputs, models):
         self.args, self.sizes, self.rt, self.output_dir = args, sizes, rt, output_dir
         self.print = say if rt.rank == 0 else lambda line, file=None: None
-        self.wandb = rt.rank == 0 and args.track and importlib.import_module("wandb")  # checked
+        self.wandb = rt.rank == 0 and args.track and importlib.import_module("wandb")  # importable
         if rt.rank == 0:
             os.makedirs(output_dir, exist_ok=True)
         if self.wandb:
@@ -2667,7 +2667,7 @@ class Logger:
             if update >= self.quiet_until.get(name, 0):  # at most once per window
                 self.quiet_until[name] = update + self.args.health_window
                 say(f"hint: update {update}: {hint}", file=sys.stderr)
-        if self.args.num_sample_generations and update - 1 in self.evaluated:  # and their schedule
+        if self.args.num_sample_generations and update - 1 in self.evaluated:  # when it evaluates
             shown = list(zip(rows, batch["completions"], batch["scores"].tolist()))
             for r, c, s in shown[:: self.args.num_generations][:3]:  # one response per prompt
                 say(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
