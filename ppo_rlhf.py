@@ -906,7 +906,7 @@ def main(args: Args):
         # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
         metrics, token_counts = update_metrics(batch, trained, models, args, rt)
         samples = []
-        if inputs.eval_prompts and log.evaluates(update):  # held-out prompts
+        if inputs.eval_prompts and update in log.evaluated:  # held-out prompts
             model.eval()
             eval_metrics, samples = evaluate(models, inputs.eval_prompts, update, args, rt,
                                              trainer_state(update + 1, sizes, args, prompts))
@@ -2512,8 +2512,7 @@ def changed_flags(args):
         if isinstance(value, bool):
             words.append(f"--{'' if value else 'no-'}{field.name}")
         else:
-            values = value if isinstance(value, list) else [value]
-            words.append(" ".join([f"--{field.name}", *map(str, values)]))
+            words += [f"--{field.name}", *map(str, value if isinstance(value, list) else [value])]
     return " ".join(words) or "(the defaults)"
 
 
@@ -2523,91 +2522,93 @@ def described(prompts):
     return f"{len(prompts.texts)} prompts" + (f" ({', '.join(cut)})" if cut else "")
 
 
+def start_lines(args, sizes, rt, inputs, models, output_dir):
+    """What the run trains, on what, where, and the flags that reproduce it (or what it exports)."""
+    if args.export_checkpoint:  # no update runs: what it writes, not the training sizes
+        names = " and ".join(models.base_paths).replace("_", " ")
+        return (f"ppo_rlhf: exporting {args.resume}: {names}, --save_dtype {args.save_dtype}, "
+                f"to {output_dir}")
+    mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
+    lora, k = "", args.num_generations
+    if args.lora_r:  # what trains
+        params = [p for m in (models.policy, models.value_model) if m is not None
+                  for p in m.parameters()]
+        lora = (f"; LoRA r {args.lora_r}: {sum(p.numel() for p in params if p.requires_grad):,}"
+                f" of {sum(p.numel() for p in params):,} parameters train")
+    what = "prompts" if k == 1 else f"responses to {sizes.batch_size // k} prompts x {k}"
+    evaluated = f"eval {described(inputs.eval_prompts)}" if inputs.eval_prompts else "no eval"
+    if args.eval_dataset == "auto":  # say what auto chose
+        chose = ("the built-in task's held-out sums" if inputs.eval_prompts else
+                 "none for one's own --dataset")
+        evaluated += f" (--eval_dataset auto: {chose})"
+    head = " with a new score head" if getattr(models.value_model, "new_head", False) else ""
+    return (f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
+            f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
+            f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
+            f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, "
+            f"stop ids {models.stop_token_ids or 'none'}, output {output_dir}; "
+            f"{models.value_source}{head}{lora}\nflags: {changed_flags(args)}")
+
+
+def update_columns(args, models):
+    """The update line's columns that this run has, as a format of its metrics."""
+    clipped = POLICY_LOSSES[args.policy_loss]["column"]  # its `clipped` share, if it has one
+    sequence = "seq " if args.importance_sampling_level == "sequence" else ""
+    columns = {
+        "success {objective/success_rate:4.0%}": models.builtin_reward,
+        "score {objective/scores:.3f}": True,
+        "kl {objective/kl:.3f}": models.ref_policy is not None,
+        "approxkl {policy/approxkl_avg:.4f}": True,
+        f"{sequence}{clipped} {{policy/clipfrac_avg:.3f}}": clipped is not None,
+        "masked {policy/off_policy_masked_frac:.3f}": args.off_policy_mask_threshold is not None,
+        "filtered {objective/frac_reward_zero_std:.2f}": args.filter_zero_std_groups,
+        "vloss {loss/value_avg:.4f}  "
+        "ev {val/explained_variance:.2f}": models.value_model is not None,
+        "len {val/mean_response_length:.1f}": True,
+        "rm_spread {objective/rm_spread:.3f}": len(models.reward_models) > 1}
+    return "".join(f"{column}  " for column, shown in columns.items() if shown)
+
+
 class Logger:
-    """Rank 0's lines on stdout, hints on stderr, metrics.jsonl (and wandb with --track)."""
+    """Rank 0's lines on stdout, hints on stderr, metrics.jsonl, samples.jsonl (wandb: --track)."""
 
     def __init__(self, args, output_dir, sizes, rt, inputs, models):
         self.args, self.sizes, self.rt, self.output_dir = args, sizes, rt, output_dir
-        self.last, self.logged, self.wandb, n = None, 0, None, args.num_sample_generations
-        self.sample_every = max(1, sizes.num_updates // n) if n else 0
+        self.print = say if rt.rank == 0 else lambda line, file=None: None
+        self.wandb = rt.rank == 0 and args.track and importlib.import_module("wandb")  # importable
         if rt.rank == 0:
-            if args.track:  # check_inputs found it importable
-                import wandb
-                self.wandb = wandb
-                wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir), config=asdict(args))
             os.makedirs(output_dir, exist_ok=True)
-        mode = f"{rt.world_size} processes ({args.distributed}), " if rt.torchrun else ""
-        lora, k = "", args.num_generations
-        if args.lora_r:  # what trains
-            params = [p for m in (models.policy, models.value_model) if m is not None
-                      for p in m.parameters()]
-            lora = (f"; LoRA r {args.lora_r}: {sum(p.numel() for p in params if p.requires_grad):,}"
-                    f" of {sum(p.numel() for p in params):,} parameters train")
-        what = "prompts" if k == 1 else f"responses to {sizes.batch_size // k} prompts x {k}"
-        evaluated = f"eval {described(inputs.eval_prompts)}" if inputs.eval_prompts else "no eval"
-        if args.eval_dataset == "auto":  # say what auto chose
-            evaluated += " (--eval_dataset auto: " + ("the built-in task's held-out sums)" if inputs.eval_prompts else
-                                                       "none for one's own --dataset)")
-        head = " with a new score head" if getattr(models.value_model, "new_head", False) else ""
-        start = (f"ppo_rlhf: {sizes.num_updates} updates of {sizes.batch_size} {what} ({mode}"
-                 f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
-                 f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
-                 f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, "
-                 f"stop ids {models.stop_token_ids or 'none'}, output {output_dir}; "
-                 f"{models.value_source}{head}{lora}")
-        if args.export_checkpoint:  # no update runs: what it writes, not the training sizes
-            names = " and ".join(models.base_paths).replace("_", " ")
-            start = (f"ppo_rlhf: exporting {args.resume}: {names}, --save_dtype {args.save_dtype}, "
-                     f"to {output_dir}")
-        self.print(start)
-        if not args.export_checkpoint:  # the command that reproduces the run's algorithm
-            self.print(f"flags: {changed_flags(args)}")
-        self.start_time, self.has_stop_token = time.time(), bool(models.stop_token_ids)
+        if self.wandb:
+            self.wandb.init(project=args.wandb_project_name, name=os.path.basename(output_dir),
+                            config=asdict(args))
+        self.print(start_lines(args, sizes, rt, inputs, models, output_dir))
+        n, updates = args.num_sample_generations, sizes.num_updates  # evaluated after these
+        self.evaluated = {updates - 1, *(range(0, updates, max(1, updates // n)) if n else ())}
+        self.last, self.logged, self.start_time = None, 0, time.time()
         self.window, self.quiet_until = deque(maxlen=args.health_window), {}  # {hint: update}
-        value = models.value_model is not None  # the columns a run has, as formats of its metrics
-        clipped = POLICY_LOSSES[args.policy_loss]["column"]  # its `clipped` share, if it has one
-        sequence = "seq " if args.importance_sampling_level == "sequence" else ""
-        columns = {"success {objective/success_rate:4.0%}": models.builtin_reward,
-                   "score {objective/scores:.3f}": True,
-                   "kl {objective/kl:.3f}": models.ref_policy is not None,
-                   "approxkl {policy/approxkl_avg:.4f}": True,
-                   f"{sequence}{clipped} {{policy/clipfrac_avg:.3f}}": clipped is not None,
-                   "masked {policy/off_policy_masked_frac:.3f}":
-                       args.off_policy_mask_threshold is not None,
-                   "filtered {objective/frac_reward_zero_std:.2f}": args.filter_zero_std_groups,
-                   "vloss {loss/value_avg:.4f}  ev {val/explained_variance:.2f}": value,
-                   "len {val/mean_response_length:.1f}": True,
-                   "rm_spread {objective/rm_spread:.3f}": len(models.reward_models) > 1}
-        self.columns = "".join(f"{column}  " for column, shown in columns.items() if shown)
-
-    def evaluates(self, update):
-        """Evaluate after update (0-based) num_sample_generations times, and after the last."""
-        every = self.sample_every
-        return update + 1 == self.sizes.num_updates or every > 0 and update % every == 0
-
-    def print(self, line, file=None):
-        if self.rt.rank == 0:
-            say(line, file=file)
+        self.columns = update_columns(args, models)
+        self.has_stop_token = bool(models.stop_token_ids)
 
     def start_update(self):
         self.start, self.laps = time.perf_counter(), {}
+
+    def lap(self, name):
+        """Seconds of the phase `name`: since the previous lap, or the update's start."""
+        self.laps[f"time/{name}_s"] = time.perf_counter() - self.start - sum(self.laps.values())
 
     def count_bad_updates(self, bad_updates, stop_reason, update):
         """A non-finite loss or gradient skips the update; three in a row stop the run."""
         if stop_reason not in ("non-finite loss", "non-finite gradient"):
             return 0
-        self.print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update", file=sys.stderr)
-        if bad_updates + 1 >= 3:
-            fail(f"{bad_updates + 1} updates in a row had a non-finite loss or gradient; lower --learning_rate, "
+        self.print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update",
+                   file=sys.stderr)
+        if bad_updates >= 2:
+            fail("3 updates in a row had a non-finite loss or gradient; lower --learning_rate, "
                  "check the reward scale, or use --dtype fp32")
         return bad_updates + 1
 
-    def lap(self, name):
-        """Seconds of the phase `name`: since the previous lap, or the update's start."""
-        self.laps[name] = time.perf_counter() - self.start - sum(self.laps.values())
-
     def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples):
-        """One update into metrics.jsonl, a line on stdout; samples into samples.jsonl."""
+        """One update into metrics.jsonl, its samples into samples.jsonl; its lines."""
         t, update, elapsed = self.laps, update + 1, time.time() - self.start_time
         self.logged += 1
         peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.rt.device.type == "cuda"
@@ -2615,18 +2616,17 @@ class Logger:
         m = self.last = {
             "update": update, "episode": update * self.sizes.batch_size, "lr": lr, **metrics,
             "eps": self.logged * self.sizes.batch_size / elapsed,
-            "time/update_s": time.perf_counter() - self.start,
-            **{f"time/{name}_s": seconds for name, seconds in t.items()},
-            "time/rollout_tokens_per_s": token_counts["rollout"] / t["generate"],
-            "time/score_tokens_per_s": token_counts["score"] / t["score"],
-            "time/train_tokens_per_s": token_counts["train"] / max(t["train"], 1e-9), "memory/peak_mib": peak_memory}
+            "time/update_s": time.perf_counter() - self.start, **t,
+            "time/rollout_tokens_per_s": token_counts["rollout"] / t["time/generate_s"],
+            "time/score_tokens_per_s": token_counts["score"] / t["time/score_s"],
+            "time/train_tokens_per_s": token_counts["train"] / max(t["time/train_s"], 1e-9),
+            "memory/peak_mib": peak_memory}
         if self.rt.rank:  # rank 0 writes and prints
             return
-        for name, lines in (("metrics.jsonl", [json_line(m)]),
-                            ("samples.jsonl", [json.dumps(sample) + "\n" for sample in samples])):
-            if lines:  # whole lines only
-                with open(os.path.join(self.output_dir, name), "a") as f:
-                    f.writelines(lines)
+        for name, objects in (("metrics", [m]), ("samples", samples)):
+            if objects:  # whole lines only
+                with open(os.path.join(self.output_dir, f"{name}.jsonl"), "a") as f:
+                    f.writelines(map(json_line, objects))
         if self.wandb:  # the evaluation's samples as a table
             tables = {"eval/samples": self.wandb.Table(columns=list(samples[0]), data=[
                 list(s.values()) for s in samples])} if samples else {}
@@ -2634,8 +2634,8 @@ class Logger:
         hms = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
         columns = self.columns.format_map(defaultdict(lambda: math.nan, m))  # NaN: not this update
         say(f"update {update}/{self.sizes.num_updates}  {columns}| {m['time/update_s']:.2f}s: "
-            f"generate {t['generate']:.2f}  score {t['score']:.2f}  train {t['train']:.2f}  | "
-            f"{peak_memory:.0f} MiB  | {hms(elapsed)}, "
+            f"generate {t['time/generate_s']:.2f}  score {t['time/score_s']:.2f}  "
+            f"train {t['time/train_s']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, "
             f"eta {hms(elapsed / self.logged * (self.sizes.num_updates - update))}")
         self.window.append(m)  # stays empty with --health_window 0
         hints = health_hints(list(self.window), self.args, self.has_stop_token) if self.window else {}
@@ -2643,19 +2643,19 @@ class Logger:
             if update >= self.quiet_until.get(name, 0):  # at most once per window
                 self.quiet_until[name] = update + self.args.health_window
                 say(f"hint: update {update}: {hint}", file=sys.stderr)
-        if self.sample_every and self.evaluates(update - 1):  # the evaluation's schedule
-            shown = list(zip(rows, batch["completions"], batch["scores"].tolist()))[:: self.args.num_generations]
-            for r, c, s in shown[:3]:  # one response per prompt: a group is k rows of one prompt
+        if self.args.num_sample_generations and update - 1 in self.evaluated:  # when it evaluates
+            shown = list(zip(rows, batch["completions"], batch["scores"].tolist()))
+            for r, c, s in shown[:: self.args.num_generations][:3]:  # one response per prompt
                 say(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
-        if "eval/score" in m:
+        if samples:  # evaluated
             success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
             spread = f"rm_spread {m['eval/rm_spread']:.3f}  " if "eval/rm_spread" in m else ""
             say(f"  eval {success}score {m['eval/score']:.3f}  kl {m.get('eval/kl', math.nan):.3f}"
                 f"  len {m['eval/response_length']:.1f}  {spread}"
                 f"(held-out, T = {self.args.eval_temperature:g})")
-            for s in samples[:3]:  # None: no reward source scored it
-                score = "None" if s["score"] is None else f"{s['score']:.2f}"
-                say(f"    {s['prompt']!r} -> {s['completion']!r}  score {score}")
+        for s in samples[:3]:  # None: no reward source scored it
+            score = "None" if s["score"] is None else f"{s['score']:.2f}"
+            say(f"    {s['prompt']!r} -> {s['completion']!r}  score {score}")
 
     def finish(self, message):
         self.print(message)
