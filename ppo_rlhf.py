@@ -2368,7 +2368,7 @@ def say(line, file=None):
 def masked_var(x, mask):
     """Unbiased variance of the real entries."""
     n = mask.sum()
-    return masked_mean((x - masked_mean(x, mask)) ** 2, mask) * n / (n - 1).clamp(min=1)  # 0 for one
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask) * n / (n - 1).clamp(min=1)  # 1: 0
 
 
 def ratio_stats(tokens, mask):
@@ -2389,7 +2389,9 @@ def ratio_stats(tokens, mask):
 def update_stats(stats, mb, entropy, losses, tokens):
     """Append a micro-batch's losses, entropy and ratio statistics to `stats`."""
     mask = mb["response_mask"]
-    for key, value in {**losses, **ratio_stats(tokens, mask), "policy/entropy_avg": masked_mean(entropy, mask)}.items():
+    entropy_avg = masked_mean(entropy, mask)
+    named = {**losses, **ratio_stats(tokens, mask), "policy/entropy_avg": entropy_avg}
+    for key, value in named.items():
         stats[key].append(value.detach().float())
     if "age" in mb:  # replay: token counts of fresh and replayed tokens apart (replay_stats)
         fresh = mask & (mb["age"] == 0)[:, None]
@@ -2412,7 +2414,8 @@ def explained_variance(residual_var, returns_var):
 
 def update_metrics(batch, trained, models, args, rt):
     """One update's metrics under TRL's names, over all ranks; token counts."""
-    mask, kl, scores, returns = batch["response_mask"], batch["kl"], batch["scores"], batch["returns"]
+    mask, kl, scores = batch["response_mask"], batch["kl"], batch["scores"]
+    returns = batch["returns"]
     scored = batch["scored"]  # scores: means over the rows a reward source scored (0 if none)
     scored_mean = lambda x: x[scored].mean().nan_to_num()  # noqa: E731
     stats = dict(trained.stats)
@@ -2437,25 +2440,29 @@ def update_metrics(batch, trained, models, args, rt):
     if stats:  # must be 1 and 0 (fresh tokens: replay_stats)
         averaged["policy/first_ratio"] = stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = stats["policy/approxkl_avg"][0]
-    if rt.low_dtype:  # the sampler's μ against π_old, score()'s bf16/fp16 recompute: w = π_old/μ per token
+    if rt.low_dtype:  # the sampler's μ against π_old as score() recomputes it: w = π_old/μ
         mu, old = batch["sampler_logprobs"], batch["logprobs"]
-        averaged["rollout/mismatch_kl"] = masked_mean(kl_estimate(mu, old, "k3"), mask)  # KL(μ‖π_old)
-        averaged["rollout/mismatch_outside_frac"] = masked_mean(((old - mu).exp() - 1).abs() > 0.1, mask)
+        averaged["rollout/mismatch_kl"] = masked_mean(kl_estimate(mu, old, "k3"), mask)  # KL(μ‖π)
+        outside = ((old - mu).exp() - 1).abs() > 0.1
+        averaged["rollout/mismatch_outside_frac"] = masked_mean(outside, mask)
     if models.builtin_reward:  # the built-in task: the share of answers that score 1
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
     num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # RMs first
     sources = [f"rm{j}" for j in range(num_rms)] + [f"fn{j}" for j in range(len(models.reward_fns))]
     if len(sources) > 1:  # each source's mean raw score, over the rows it scored
-        averaged.update({f"objective/raw_scores/{name}": x.nanmean() for name, x in zip(sources, source_scores.T)})
+        averaged.update({f"objective/raw_scores/{name}": x.nanmean()
+                         for name, x in zip(sources, source_scores.T)})
     if num_rms > 1:  # the reward models' disagreement, mean over responses
         averaged["objective/rm_spread"] = reward_model_spread(source_scores, num_rms).mean()
     summed = {"val/num_eos_tokens": (~batch["truncated"]).sum(), "rollout": mask.sum(),
               "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
-    values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device) for v in [*averaged.values(), *summed.values()]]
-    values = all_ranks_sum(torch.stack(values)).tolist()  # one all-reduce: means of `averaged`, sums of counts
+    values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device)
+              for v in [*averaged.values(), *summed.values()]]
+    values = all_ranks_sum(torch.stack(values)).tolist()  # one all-reduce: means, and counts
     summed = dict(zip(summed, values[len(averaged):]))
     averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}
-    averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
+    averaged.update({"objective/kl_coef": batch["kl_coef"],
+                     "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
     if replay_sums:  # --replay_rounds: fresh tokens apart
         averaged.update(replay_stats(replay_sums, args.gradient_accumulation_steps),
                         **batch["replay_metrics"])
@@ -2465,8 +2472,10 @@ def update_metrics(batch, trained, models, args, rt):
 def replay_stats(sums, micro_batches):
     """Replay's clip shares of fresh and replayed tokens, first ratio and approx KL."""
     keys = ("fresh", "replayed", "clipped_fresh", "clipped_replayed", "outside_fresh")
-    first = [sums[f"replay/{k}"][:micro_batches].sum() for k in ("fresh", "ratio_fresh", "approxkl_fresh")]
-    x = all_ranks_sum(torch.stack([sums[f"replay/{k}"].sum() for k in keys] + first).double()).tolist()
+    first = [sums[f"replay/{k}"][:micro_batches].sum()
+             for k in ("fresh", "ratio_fresh", "approxkl_fresh")]
+    x = [sums[f"replay/{k}"].sum() for k in keys] + first
+    x = all_ranks_sum(torch.stack(x).double()).tolist()
     share = lambda a, b: x[a] / x[b] if x[b] else math.nan  # noqa: E731
     return {"replay/clipfrac_fresh": share(2, 0), "replay/clipfrac_replayed": share(3, 1),
             "replay/outside_clip_fresh": share(4, 0), "policy/first_ratio": share(6, 5),
@@ -2479,23 +2488,26 @@ def health_hints(window, args, has_stop_token):
     outside = last.get("replay/outside_clip_fresh", last.get("policy/ratio_outside_clip_avg", 0.0))
     token_clip = args.importance_sampling_level == "token"  # its 50% suits PPO's ε
     if outside > 0.5 and token_clip and POLICY_LOSSES[args.policy_loss]["ratio_hint"]:
-        hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε_high] in this "
-                          "update: the policy moves too far per update; lower --learning_rate or --num_ppo_epochs (or "
-                          "set --target_kl)")
+        hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + "
+                          "ε_high] in this update: the policy moves too far per update; lower "
+                          "--learning_rate or --num_ppo_epochs (or set --target_kl)")
     full = n >= max(args.health_window, 2)  # the other hints judge a full window of 2 or more
     if full and "objective/kl" in last:  # the means of its older and newer halves
         kl_before, kl_now, score_before, score_now = (sum(m[key] for m in h) / len(h) for key in (
             "objective/kl", "objective/scores") for h in (window[: n // 2], window[n // 2 :]))
         if kl_now > 1.5 * kl_before and kl_now - kl_before > 0.1 and score_now <= score_before:
-            hints["kl"] = (f"the KL to the reference rose from {kl_before:.2f} to {kl_now:.2f} over the last {n} "
-                           f"updates while the score did not ({score_before:.3f} -> {score_now:.3f}): the policy "
-                           "drifts without gaining reward (or games it); raise --kl_coef or set --adaptive_kl_target, "
-                           "and watch eval/score")
+            hints["kl"] = (f"the KL to the reference rose from {kl_before:.2f} to {kl_now:.2f} "
+                           f"over the last {n} updates while the score did not "
+                           f"({score_before:.3f} -> {score_now:.3f}): the policy drifts without "
+                           "gaining reward (or games it); raise --kl_coef or set "
+                           "--adaptive_kl_target, and watch eval/score")
     truncated = [m["val/truncated_frac"] for m in window]
     if full and has_stop_token and min(truncated) >= 0.9:
-        hints["length"] = (f"{sum(truncated) / n:.0%} of the responses of the last {n} updates (>= 90% in each) were "
-                           f"cut off at --response_length {args.response_length} before the stop token: raise "
-                           "--response_length, or penalise it (--missing_eos_penalty, --overlong_buffer)")
+        hints["length"] = (f"{sum(truncated) / n:.0%} of the responses of the last {n} updates "
+                           f"(>= 90% in each) were cut off at --response_length "
+                           f"{args.response_length} before the stop token: raise "
+                           "--response_length, or penalise it (--missing_eos_penalty, "
+                           "--overlong_buffer)")
     return hints
 
 
@@ -2518,7 +2530,8 @@ def changed_flags(args):
 
 def described(prompts):
     """'N prompts', with how many over-long ones --overlong_prompts filtered or truncated."""
-    cut = [f"{n} over-long {how}" for n, how in ((prompts.filtered, "filtered"), (prompts.truncated, "truncated")) if n]
+    cut = [f"{n} over-long {how}"
+           for n, how in ((prompts.filtered, "filtered"), (prompts.truncated, "truncated")) if n]
     return f"{len(prompts.texts)} prompts" + (f" ({', '.join(cut)})" if cut else "")
 
 
@@ -2638,8 +2651,8 @@ class Logger:
             f"train {t['time/train_s']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, "
             f"eta {hms(elapsed / self.logged * (self.sizes.num_updates - update))}")
         self.window.append(m)  # stays empty with --health_window 0
-        hints = health_hints(list(self.window), self.args, self.has_stop_token) if self.window else {}
-        for name, hint in hints.items():
+        hints = self.window and health_hints(list(self.window), self.args, self.has_stop_token)
+        for name, hint in (hints or {}).items():
             if update >= self.quiet_until.get(name, 0):  # at most once per window
                 self.quiet_until[name] = update + self.args.health_window
                 say(f"hint: update {update}: {hint}", file=sys.stderr)
@@ -2666,7 +2679,7 @@ class Logger:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # a closed terminal; under nohup it stays ignored
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # a closed terminal (nohup: ignored)
         signal.signal(signal.SIGHUP, request_stop)
     main(tyro.cli(Args))
     leave_process_group()
