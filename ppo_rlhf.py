@@ -1249,52 +1249,55 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
     """Held-out evaluation, its own random stream -> eval/ metrics (all ranks), samples."""
     n = len(prompts.ids)
     per_rank = -(-n // rt.world_size)  # equal slices (FSDP): the last prompt fills them up
-    slots = [rt.rank * per_rank + i for i in range(per_rank)]
-    rows, real = [min(i, n - 1) for i in slots], torch.tensor(slots, device=rt.device) < n
+    slots = rt.rank * per_rank + torch.arange(per_rank, device=rt.device)
+    rows, real = slots.clamp(max=n - 1).tolist(), slots < n
     # its own stream: a run trains the same with or without evaluation
-    generator = torch.Generator(rt.device).manual_seed(hash((args.seed, update, rt.rank, 1)) % 2**63)
+    stream = torch.Generator(rt.device).manual_seed(hash((args.seed, update, rt.rank, 1)) % 2**63)
     queries = left_pad([prompts.ids[r] for r in rows], models.pad_token_id)  # and their mask
     batch = rollout(models, *(x.to(rt.device) for x in queries), args, rt, args.eval_temperature,
-                    generator)
+                    stream)
     scored = score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=True)
     scores, num_rms = scored["raw_scores"], len(models.reward_models)
     metrics = {"eval/score": scores, "eval/response_length": batch["lengths"]}  # (B,) each
-    if models.ref_policy is not None:
-        metrics["eval/kl"] = held_out_kl(models, batch, args, rt)
+    if models.ref_policy is not None:  # greedy (--eval_temperature 0): a diagnostic, no unbiased KL
+        metrics["eval/kl"] = recomputed(models, batch, args, rt, kl=True)[1].sum(1)  # Σ_t KL_t
     if models.builtin_reward:
         metrics["eval/success_rate"] = scores == 1
     if num_rms > 1:  # as objective/rm_spread
         metrics["eval/rm_spread"] = reward_model_spread(scored["source_scores"], num_rms)
-    counted = real & scored["scored"]  # eval/score: over the rows a source scored
-    totals = all_ranks_sum(torch.stack([(v * real).sum().double() for v in metrics.values()]
-                                       + [counted.sum().double()]))
+    # Σ over the real rows of all ranks; last, the rows a source scored (eval/score's count)
+    totals = all_ranks_sum(torch.stack([(v * real).sum().double()
+                                        for v in (*metrics.values(), scored["scored"])]))
     means = dict(zip(metrics, (totals[:-1] / n).tolist()))
     means["eval/score"] = (totals[0] / totals[-1]).nan_to_num().item()
     samples = [dict(update=update + 1, prompt=prompts.texts[i], completion=c,
                     score=s if ok else None)  # None: no source scored it
-               for i, c, s, ok in zip(slots, scored["completions"], scores.tolist(),
+               for i, c, s, ok in zip(slots.tolist(), scored["completions"], scores.tolist(),
                                       scored["scored"].tolist()) if i < n]
     return means, samples
 
 
-def held_out_kl(models, batch, args, rt):
-    """Σ_t KL_t per response (B,), the training's sampled estimate (--kl_estimator k1/k2/k3) from
-    log π and log π_ref at --temperature. Greedy answers (--eval_temperature 0) are no samples of π
-    at --temperature: then a diagnostic, not an unbiased KL."""
-    mask, context_length = batch["response_mask"], batch["context_length"]
-    kl = torch.zeros(mask.shape, device=mask.device)  # (B, R)
+def recomputed(models, b, args, rt, kl=False):
+    """log π(y_t|s_t) at --temperature and V(s_t), or (kl) KL_t (--kl_estimator) to π_ref, of a
+    batch's rows with the models of now: (2, B, R), 0 at padding."""
+    c, pad = b["context_length"], ~b["response_mask"]
+    out = torch.zeros(2, *pad.shape, device=pad.device)
     with rt.no_grad(), rt.autocast():
-        for rows, L, ids, ids_mask in response_chunks(batch, args.local_rollout_forward_batch_size):
-            logprobs = response_logprobs(models.policy, ids, ids_mask, context_length,
-                                         args.temperature, models.policy_head)[0]
-            with models.reference():
-                ref_logprobs = response_logprobs(models.ref_policy, ids, ids_mask, context_length,
-                                                 args.temperature, models.ref_head)[0]
-            kl[rows, :L] = kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
-    return torch.where(mask, kl, 0.0).sum(1)
+        for rows, L, ids, ids_mask in response_chunks(b, args.local_rollout_forward_batch_size):
+            logprobs = response_logprobs(models.policy, ids, ids_mask, c, args.temperature,
+                                         models.policy_head)[0]
+            out[0, rows, :L] = logprobs
+            if kl:
+                with models.reference():
+                    ref_logprobs = response_logprobs(models.ref_policy, ids, ids_mask, c,
+                                                     args.temperature, models.ref_head)[0]
+                out[1, rows, :L] = kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
+            elif models.value_model is not None:
+                out[1, rows, :L] = state_values(models.value_model, ids, ids_mask, c)
+    return out.masked_fill(pad, 0.0)
 
 
-# ------------------------------------------------------ replay: off-policy updates (--replay_rounds)
+# ----------------------------------------------------- replay: off-policy updates (--replay_rounds)
 # What a batch keeps, fixed when it was sampled: μ = its log π_old (logprobs), log π_ref, its
 # scores and KL_t, its β. Per rank N·B·(9·P + 23·R) bytes for N batches of B rows of P + R tokens
 # (ids int64, masks bool, 3 float32 rows): no logits.
@@ -1311,7 +1314,7 @@ def replay_batch(progress, batch, update, models, args, rt):
     progress["replay"] = [*old, fresh][-args.replay_rounds:]
     parts = [dict(fresh, prox=batch["logprobs"], values=batch["values"])]  # π_prox = π_old
     for b in old:  # π_prox: the policy now, at the start of the update
-        prox, values = prox_and_values(models, b, args, rt)
+        prox, values = recomputed(models, b, args, rt)
         parts.append(dict(b, prox=prox, values=values))
     P = max(b["context_length"] for b in parts)
     R = max(b["response_mask"].shape[1] for b in parts)
@@ -1349,19 +1352,6 @@ def replay_batch(progress, batch, update, models, args, rt):
         train["weights"] = rollout_weights(prox, mu, mask, "token_mask", cap)
         train["logprobs"] = prox  # the ratio's denominator
     return train
-
-
-def prox_and_values(models, b, args, rt):
-    """log π(y_t|s_t), V(s_t) (B, R) of a stored batch, with the models of now."""
-    c, pad = b["context_length"], ~b["response_mask"]
-    prox, values = torch.zeros_like(b["logprobs"]), torch.zeros_like(b["logprobs"])
-    with rt.no_grad(), rt.autocast():
-        for rows, L, ids, ids_mask in response_chunks(b, args.local_rollout_forward_batch_size):
-            prox[rows, :L] = response_logprobs(models.policy, ids, ids_mask, c, args.temperature,
-                                               models.policy_head)[0]
-            if models.value_model is not None:
-                values[rows, :L] = state_values(models.value_model, ids, ids_mask, c)
-    return prox.masked_fill(pad, 0.0), values.masked_fill(pad, 0.0)
 
 
 # ------------------------------------------------------------------------- models, data and rewards
@@ -1756,7 +1746,7 @@ def build_addition_task(folder, seed, held_out=True):
     return model_dir, *files
 
 
-# ---- distributed: torchrun, DDP, FSDP2, statistics over ranks (systems: a first reading may skip this)
+# --- distributed: torchrun, DDP, FSDP2, statistics over ranks (systems: a first read may skip this)
 @dataclass
 class Runtime:
     """This process: rank, world size, device, whether torchrun and FSDP2 run it, autocast dtype."""
@@ -1791,11 +1781,11 @@ def start_processes(args):
     torchrun = in_process_group()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
     low_dtype = None if args.dtype == "fp32" else DTYPES[args.dtype]
-    if device.type == "cpu" and low_dtype and rank == 0 and os.access(CPUINFO, os.R_OK):  # Linux
+    if not cuda and low_dtype and rank == 0 and os.access(CPUINFO, os.R_OK):  # Linux
         with open(CPUINFO) as f:
             flags = next((line.split() for line in f if line.startswith("flags")), [])
         units = [f"avx512_{args.dtype}", f"amx_{args.dtype}"]
-        if flags and not set(units) & set(flags):
+        if flags and set(units).isdisjoint(flags):
             say(f"note: --dtype {args.dtype} runs slower than fp32 on this CPU (no "
                 f"{' or '.join(units)} in {CPUINFO}); choose it to match a GPU run's numbers")
     fsdp = torchrun and args.distributed == "fsdp"
@@ -1845,8 +1835,8 @@ def one_line(exception):
     """An exception as one line: type, the first line of its message, and file:line."""
     where = traceback.extract_tb(exception.__traceback__)[-1]
     message = (str(exception).strip().splitlines() or [""])[0]
-    file = os.path.basename(where.filename)
-    return f"{type(exception).__name__}: {message} ({file}:{where.lineno}, in {where.name})"
+    return (f"{type(exception).__name__}: {message} "
+            f"({os.path.basename(where.filename)}:{where.lineno}, in {where.name})")
 
 
 def leave_process_group():
@@ -1854,6 +1844,11 @@ def leave_process_group():
     if in_process_group():
         gc.collect()
         dist.destroy_process_group()
+
+
+def fsdp_units(model):
+    """FSDP2's units among a model's modules (none without FSDP2)."""
+    return [m for m in model.modules() if hasattr(m, "unshard")]
 
 
 def global_mean_var(x, mask):
@@ -1890,8 +1885,7 @@ def wrap_for_training(models, args, rt):
     if rt.fsdp:  # --shard_frozen_models: the frozen models too, but LoRA's reference is the policy
         frozen = [m for m in (models.ref_policy, *[rm for rm, _ in models.reward_models])
                   if args.shard_frozen_models and m not in (None, models.policy)]
-        for module in [m for m in trained + frozen if not any(hasattr(x, "unshard")
-                                                              for x in m.modules())]:
+        for module in [m for m in trained + frozen if not fsdp_units(m)]:  # not loaded sharded
             shard(module, module in frozen, rt)
     elif rt.torchrun:
         ddp = torch.nn.parallel.DistributedDataParallel
@@ -1930,13 +1924,10 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
             stored.update(f.keys())
     # parameters on the meta device as they are made (no memory, no init), buffers real: RoPE's
     # inv_freq is in no checkpoint; a tied weight is registered twice, the second time on meta
-    hook = torch.nn.modules.module.register_module_parameter_registration_hook(
-        lambda module, name, p: p if p.is_meta else torch.nn.Parameter(p.to("meta"),
-                                                                        p.requires_grad))
-    try:
+    with torch.nn.modules.module.register_module_parameter_registration_hook(
+            lambda module, name, p: p if p.is_meta else torch.nn.Parameter(p.to("meta"),
+                                                                            p.requires_grad)):
         model = cls.from_config(config, dtype=dtype)
-    finally:
-        hook.remove()
     wanted = model.state_dict().keys() - tied_aliases(model)  # a tied weight is stored once
     missing = {k for k in wanted - stored if k.startswith("score.")}  # a new head: initialised
     if not stored or wanted - stored - missing:  # said once, by rank 0
@@ -1947,13 +1938,12 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
     model.to_empty(device=rt.device)
     for key, buffer in buffers.items():  # on the device, where the inputs are
         model.get_buffer(key).data = buffer.to(rt.device)
-    weights = get_model_state_dict(model)  # this rank's shards, by name
-    load({k: v for k, v in weights.items() if k in wanted - missing},
-         storage_reader=HuggingFaceStorageReader(folder))
+    load({k: v for k, v in get_model_state_dict(model).items() if k in wanted - missing},
+         storage_reader=HuggingFaceStorageReader(folder))  # into this rank's shards, by name
     if missing:  # a whole head on every rank (the same seed), then its shard
         score = model.score
-        with torch.device("meta"):  # no random numbers drawn; then as from_pretrained does
-            head = torch.nn.Linear(score.in_features, score.out_features, score.bias is not None)
+        head = torch.nn.Linear(score.in_features, score.out_features, score.bias is not None,
+                               device="meta")  # no random numbers; then as from_pretrained does
         model._init_weights(head.to_empty(device="cpu"))
         set_model_state_dict(model, {f"score.{k}": v for k, v in head.state_dict().items()},
                              options=StateDictOptions(full_state_dict=True, strict=False))
@@ -1966,7 +1956,7 @@ def load_into_shards(cls, path, flag, config, dtype, rt, frozen):
 @contextmanager
 def gathered(model, enabled):
     """FSDP2: gather a model's weights once for many forwards, then free them."""
-    units = [m for m in model.modules() if enabled and hasattr(m, "unshard")]
+    units = fsdp_units(model) if enabled else []
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
@@ -1981,7 +1971,7 @@ def gathered(model, enabled):
 @contextmanager
 def gradient_sync(model, sync):
     """Reduce gradients over ranks in this backward only if `sync` (DDP: no_sync; FSDP2: a flag)."""
-    for unit in (m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")):
+    for unit in fsdp_units(model):
         unit.set_requires_gradient_sync(sync, recurse=False)
     with nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync():
         yield
@@ -2035,9 +2025,9 @@ def output_layer(model):
     mask = torch.ones_like(ids, dtype=torch.bool)
     with (torch.no_grad(), torch.autocast(ids.device.type, enabled=False),  # x 100: a cap shows
           head.register_forward_hook(lambda module, inputs, output: output * 100)):
-        logits, hidden = forward(model, ids, mask, 4), last_hidden(model, ids, mask, 4)
-        fits = torch.allclose(head(hidden), logits, rtol=1e-4, atol=1e-5)
-    for unit in [m for m in model.modules() if hasattr(m, "reshard")]:  # FSDP2: a root stays whole
+        logits = forward(model, ids, mask, 4)
+        fits = torch.allclose(head(last_hidden(model, ids, mask, 4)), logits, rtol=1e-4, atol=1e-5)
+    for unit in fsdp_units(model):  # FSDP2: a root stays whole
         unit.reshard()
     return head if fits else None
 
@@ -2047,7 +2037,8 @@ def add_lora(model, args, modules_to_save=None):
     """peft LoRA adapters on attention and MLP layers: only they (and modules_to_save) train."""
     import peft  # check_inputs found it
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                             target_modules=args.lora_target_modules or "all-linear", modules_to_save=modules_to_save)
+                             target_modules=args.lora_target_modules or "all-linear",
+                             modules_to_save=modules_to_save)
     with flag_errors(f"--lora_target_modules {args.lora_target_modules}"):  # modules not found
         model = quietly(peft.get_peft_model, model, config)
     for p in model.parameters():  # fp32 master weights

@@ -4310,7 +4310,7 @@ def replay_worker(rank, port, out_file):
     gen = torch.Generator().manual_seed(rank)
     scale = 1.0 + 2 * rank  # rank 1's rewards and π_prox/μ spread wider: one rank's statistics are not the batch's
     old, fresh = stored_batch(gen, 0, scale=scale), stored_batch(gen, 1, scale=scale)
-    P.prox_and_values = lambda models, b, args, rt: (b["prox"], b["values"])  # the models' forwards, stubbed
+    P.recomputed = lambda models, b, args, rt: (b["prox"], b["values"])  # the models' forwards, stubbed
     args = P.Args(replay_rounds=1, replay_correction="naive", response_length=5)
     models = SimpleNamespace(pad_token_id=0)
     batch = dict(fresh, sampler_logprobs=fresh["logprobs"])  # fp32: μ is π_old
