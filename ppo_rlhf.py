@@ -951,7 +951,8 @@ FLAG_RANGES = {
              " num_mini_batches num_ppo_epochs response_length local_rollout_forward_batch_size"
              " total_episodes num_generations adaptive_kl_horizon"),
     "> 0": (lambda v: v > 0, "temperature cliprange cliprange_value max_grad_norm dist_timeout_s"
-            " lora_alpha cispo_max sapo_temperature_pos sapo_temperature_neg rollout_correction_cap"),
+            " lora_alpha cispo_max sapo_temperature_pos sapo_temperature_neg"
+            " rollout_correction_cap"),
     ">= 0": (lambda v: v >= 0, "learning_rate kl_coef vf_coef save_every save_total_limit"
              " num_sample_generations lora_r eval_temperature overlong_buffer health_window"
              " replay_rounds"),
@@ -967,18 +968,19 @@ FLAG_RANGES = {
 }
 # What check_args refuses of flags together: {the error: when}.
 FLAG_CONFLICTS = {
-    "--ref_model_path is unused: --kl_coef 0 has no KL term": lambda a: a.ref_model_path and a.kl_coef == 0,
+    "--ref_model_path is unused: --kl_coef 0 has no KL term":
+        lambda a: a.ref_model_path and a.kl_coef == 0,
     "--ref_model_path is unused with --lora_r: the reference is the policy, adapter off":
         lambda a: a.ref_model_path and a.lora_r,
-    "--export_checkpoint needs --resume FOLDER, the checkpoint it writes": lambda a: a.export_checkpoint
-        and a.resume in (None, "auto"),
+    "--export_checkpoint needs --resume FOLDER, the checkpoint it writes":
+        lambda a: a.export_checkpoint and a.resume in (None, "auto"),
     "--lora_target_modules needs --lora_r > 0": lambda a: a.lora_target_modules and not a.lora_r,
     "--replay_rounds N > 0 and --replay_correction naive|decoupled go together":
         lambda a: bool(a.replay_rounds) != (a.replay_correction is not None),
     "--replay_weight_cap needs --replay_correction decoupled (it caps its weights)":
         lambda a: a.replay_weight_cap is not None and a.replay_correction != "decoupled",
     "--warmup_ratio needs --lr_scheduler_type linear or cosine (constant has no warmup)":
-        lambda a: a.lr_scheduler_type == "constant" and a.warmup_ratio,  # transformers' ignores warmup
+        lambda a: a.lr_scheduler_type == "constant" and a.warmup_ratio,  # transformers' ignores it
     # E_π_old[∇k1] = −∇KL(π_old‖π_θ): nothing toward π_ref (ρ·k1's is ∇KL(π_θ‖π_ref))
     "--kl_estimator k1, --kl_in loss and --no-use-bias-correction-kl pull nothing toward π_ref":
         lambda a: a.kl_in == "loss" and a.kl_estimator == "k1" and not a.use_bias_correction_kl,
@@ -991,15 +993,16 @@ FLAG_CONFLICTS = {
         ESTIMATORS[a.advantage_estimator]["learns_value"] or a.dual_clip is not None),
     "--importance_sampling_level: --policy_loss does not take it (POLICY_LOSSES' levels)":
         lambda a: a.importance_sampling_level not in POLICY_LOSSES[a.policy_loss]["levels"],
-    "--off_policy_mask_threshold needs a value-free --advantage_estimator (it judges whole responses)":
-        lambda a: a.off_policy_mask_threshold is not None
+    "--off_policy_mask_threshold needs a value-free --advantage_estimator (it judges whole "
+    "responses)": lambda a: a.off_policy_mask_threshold is not None
         and ESTIMATORS[a.advantage_estimator]["learns_value"],
     "--filter_zero_std_groups needs a group --advantage_estimator (ESTIMATORS' grouped)":
         lambda a: a.filter_zero_std_groups and not ESTIMATORS[a.advantage_estimator]["grouped"],
-    "--rollout_correction needs --dtype bf16 or fp16: in fp32 the sampler's μ is π_old itself (w = 1)":
-        lambda a: a.rollout_correction != "none" and a.dtype == "fp32",
-    "--rollout_correction with --replay_rounds: replay's μ is the sampler's, --replay_correction decoupled "
-    "weights every row by π_prox/μ already": lambda a: a.rollout_correction != "none" and a.replay_rounds,
+    "--rollout_correction needs --dtype bf16 or fp16: in fp32 the sampler's μ is π_old itself "
+    "(w = 1)": lambda a: a.rollout_correction != "none" and a.dtype == "fp32",
+    "--rollout_correction with --replay_rounds: replay's μ is the sampler's, --replay_correction "
+    "decoupled weights every row by π_prox/μ already":
+        lambda a: a.rollout_correction != "none" and a.replay_rounds,
 }
 
 
@@ -1008,18 +1011,19 @@ def derive_sizes(args, world_size):
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     local_mini_batch_size = local_batch_size // args.num_mini_batches
     batch_size = local_batch_size * world_size  # responses per update over all ranks
-    return SimpleNamespace(world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
-                           local_num_prompts=local_batch_size // args.num_generations,
-                           local_mini_batch_size=local_mini_batch_size,
-                           micro_batch_size=local_mini_batch_size // args.gradient_accumulation_steps,
-                           num_updates=args.total_episodes // batch_size)
+    return SimpleNamespace(
+        world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
+        local_num_prompts=local_batch_size // args.num_generations,
+        local_mini_batch_size=local_mini_batch_size,
+        micro_batch_size=local_mini_batch_size // args.gradient_accumulation_steps,
+        num_updates=args.total_episodes // batch_size)
 
 
 def check_args(args):
     """Every check that needs only the flags (and torchrun's WORLD_SIZE). -> the derived sizes."""
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
-    args.kl_estimator = args.kl_estimator or ("k3" if args.kl_in == "loss" else "k1")  # as TRL's PPO, GRPO
+    args.kl_estimator = args.kl_estimator or ("k3" if args.kl_in == "loss" else "k1")  # as in TRL
     for flag, table in (("advantage_estimator", ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
         if getattr(args, flag) not in table:  # a fork's new value without its facts
             fail(f"--{flag} {getattr(args, flag)}: no row of facts beside its branch")
@@ -1065,7 +1069,8 @@ def check_args(args):
         if refused(args):
             fail(message)
     if args.overlong_buffer > args.response_length:
-        fail(f"--overlong_buffer {args.overlong_buffer} is over --response_length {args.response_length}")
+        fail(f"--overlong_buffer {args.overlong_buffer} is over --response_length "
+             f"{args.response_length}")
     if args.total_episodes < sizes.batch_size:
         fail(f"--total_episodes {args.total_episodes} is less than one rollout batch "
              f"({sizes.batch_size} over all ranks)")
@@ -1077,7 +1082,7 @@ def check_args(args):
 
 def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     """Every check that needs files but no weights: output, configs, prompts, rewards."""
-    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":  # before any read
+    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":  # first
         fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in "
              "reward scores only the built-in task's sums)")
     # the output folder: writable, no run in it unless resumed
@@ -1092,8 +1097,6 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
         fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto "
              "(it continues the run, or with no checkpoint sets its metrics.jsonl aside and starts "
              "over) or choose another --output_dir")
-    if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
-        fail(f"--resume {args.resume!r} is not a checkpoint (no state.pt); give one, or `auto`")
     if args.track:
         with flag_errors("--track needs `pip install wandb`"):
             importlib.import_module("wandb")
@@ -1111,8 +1114,8 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     outside = [i for i in stop_token_ids if not 0 <= i < vocab_size]  # not grown for a pad
     if outside:
         fail(f"--stop_token_id {outside}: not in the policy's vocabulary [0, {vocab_size})")
-    for path in resume_candidates(args, output_dir)[:1]:  # resume()'s first, before any weights
-        with suppress(*DAMAGED):  # damaged: resume() skips it, or says why it cannot load it
+    for path in resume_candidates(args, output_dir)[:1]:  # resume()'s first; auto skips damaged
+        with suppress(*DAMAGED) if args.resume == "auto" else flag_errors(f"--resume {path!r}"):
             check_checkpoint(path, args, stop_token_ids, int(os.environ.get("WORLD_SIZE", 1)))
     if not stop_token_ids and int(os.environ.get("RANK", 0)) == 0:
         say("note: no stop id (--stop_token, --stop_token_id, the tokenizer, generation_config): "
@@ -1137,12 +1140,13 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
         warn(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on "
              "training prompts")
     return SimpleNamespace(tokenizer=tokenizer, prompts=prompt_sets["dataset"],
-                           eval_prompts=prompt_sets.get("eval_dataset"), stop_token_ids=stop_token_ids,
+                           eval_prompts=prompt_sets.get("eval_dataset"),
+                           stop_token_ids=stop_token_ids,
                            **check_rewards(args, tokenizer, configs, prompt_sets, stop_token_ids))
 
 
 def check_configs(args, model_path):
-    """Every model's config by path (an adapter's: its base's); reward models: 1-label classifiers."""
+    """Every config by path (an adapter's: its base's); reward models: 1-label classifiers."""
     configs = {}
     for flag, path in {"model_name_or_path": model_path, "ref_model_path": args.ref_model_path,
                        "value_model_path": args.value_model_path}.items():
@@ -1160,7 +1164,7 @@ def check_configs(args, model_path):
                  "give a sequence classifier (*ForSequenceClassification) with one label")
         if config.num_labels != 1:
             fail(f"--reward_model_path {path!r} is a {kind} with {config.num_labels} labels, not 1")
-    bf16_stored = [path for path, config in configs.items() if stored_dtype(path, config) == torch.bfloat16]
+    bf16_stored = [p for p, config in configs.items() if stored_dtype(p, config) == torch.bfloat16]
     if args.dtype == "fp16" and bf16_stored:
         warn(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype "
              "fp16 can overflow where bf16 does not (--dtype bf16 avoids it)")
@@ -1178,11 +1182,13 @@ def check_rewards(args, tokenizer, configs, prompt_sets, stop_token_ids):
             reward_tokenizer.pad_token = reward_tokenizer.eos_token
         reward_tokenizers.append(reward_tokenizer)
         for prompts in prompt_sets.values():  # its context: the longest prompt, in its tokens
-            ids = prompts.ids if reward_tokenizer is None else [reward_tokenizer(
-                reward_text(reward_tokenizer, prompts, r, ""), add_special_tokens=m is None)["input_ids"]
+            ids = prompts.ids if reward_tokenizer is None else [
+                reward_tokenizer(reward_text(reward_tokenizer, prompts, r, ""),
+                                 add_special_tokens=m is None)["input_ids"]
                 for r, m in enumerate(prompts.messages)]
             longest = max(map(len, ids))
-            check_context(f"--reward_model_path {path!r}", configs[path], longest + args.response_length,
+            check_context(f"--reward_model_path {path!r}", configs[path],
+                          longest + args.response_length,
                           f"a prompt of {longest} + --response_length {args.response_length}",
                           "shorten the prompts (--max_prompt_length) or --response_length")
     reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
