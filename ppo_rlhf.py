@@ -966,7 +966,7 @@ FLAG_RANGES = {
     "a finite number (or unset)": (lambda v: True, "missing_eos_penalty entropy_coef length_penalty"
                                    " overlong_penalty off_policy_mask_threshold"),
 }
-# What check_args refuses of flags together: {the error: when}.
+# What check_args refuses of flags together: {the error: when}; ranges are checked first.
 FLAG_CONFLICTS = {
     "--ref_model_path is unused: --kl_coef 0 has no KL term":
         lambda a: a.ref_model_path and a.kl_coef == 0,
@@ -978,19 +978,19 @@ FLAG_CONFLICTS = {
     "--replay_rounds N > 0 and --replay_correction naive|decoupled go together":
         lambda a: bool(a.replay_rounds) != (a.replay_correction is not None),
     "--replay_weight_cap needs --replay_correction decoupled (it caps its weights)":
-        lambda a: a.replay_weight_cap is not None and a.replay_correction != "decoupled",
+        lambda a: a.replay_weight_cap and a.replay_correction != "decoupled",
     "--warmup_ratio needs --lr_scheduler_type linear or cosine (constant has no warmup)":
         lambda a: a.lr_scheduler_type == "constant" and a.warmup_ratio,  # transformers' ignores it
     # E_π_old[∇k1] = −∇KL(π_old‖π_θ): nothing toward π_ref (ρ·k1's is ∇KL(π_θ‖π_ref))
     "--kl_estimator k1, --kl_in loss and --no-use-bias-correction-kl pull nothing toward π_ref":
         lambda a: a.kl_in == "loss" and a.kl_estimator == "k1" and not a.use_bias_correction_kl,
     "--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0":
-        lambda a: a.adaptive_kl_target is not None and a.kl_coef == 0,
+        lambda a: a.adaptive_kl_target and a.kl_coef == 0,
     "--dual_clip bounds the clipped surrogate: it needs --policy_loss clip":
-        lambda a: a.dual_clip is not None and a.policy_loss != "clip",
+        lambda a: a.dual_clip and a.policy_loss != "clip",
     "--importance_sampling_level sequence needs a value-free --advantage_estimator (A per token), "
     "no --dual_clip": lambda a: a.importance_sampling_level == "sequence" and (
-        ESTIMATORS[a.advantage_estimator]["learns_value"] or a.dual_clip is not None),
+        ESTIMATORS[a.advantage_estimator]["learns_value"] or a.dual_clip),
     "--importance_sampling_level: --policy_loss does not take it (POLICY_LOSSES' levels)":
         lambda a: a.importance_sampling_level not in POLICY_LOSSES[a.policy_loss]["levels"],
     "--off_policy_mask_threshold needs a value-free --advantage_estimator (it judges whole "
@@ -1027,10 +1027,10 @@ def check_args(args):
     for flag, table in (("advantage_estimator", ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
         if getattr(args, flag) not in table:  # a fork's new value without its facts
             fail(f"--{flag} {getattr(args, flag)}: no row of facts beside its branch")
-    per_response = "seq_mean_token_mean"  # as veRL: one ratio (or gate) per response counts once
-    sequence = args.importance_sampling_level == "sequence"
-    loss_agg = per_response if sequence else POLICY_LOSSES[args.policy_loss]["loss_agg"]
-    if args.loss_agg not in (None, loss_agg) and loss_agg == per_response:  # as TRL
+    loss_agg = POLICY_LOSSES[args.policy_loss]["loss_agg"]
+    if args.importance_sampling_level == "sequence":  # as veRL: one ratio per response counts once
+        loss_agg = "seq_mean_token_mean"
+    if args.loss_agg not in (None, loss_agg) and loss_agg == "seq_mean_token_mean":  # as TRL
         warn(f"warning: --loss_agg {args.loss_agg} weights each response by its length; GSPO and "
              "SAPO average per response (seq_mean_token_mean)")
     args.loss_agg = args.loss_agg or loss_agg
@@ -1085,8 +1085,7 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":  # first
         fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in "
              "reward scores only the built-in task's sums)")
-    # the output folder: writable, no run in it unless resumed
-    parent = os.path.abspath(output_dir)
+    parent = os.path.abspath(output_dir)  # the output folder: writable, no run in it unless resumed
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
@@ -1130,8 +1129,10 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
         fail(f"--eval_dataset {args.eval_dataset!r} is --dataset with the same split "
              f"({args.dataset_train_split!r}): it would evaluate on training prompts; give another "
              "--dataset_test_split")
-    prompt_sets = {flag: load_prompts(path, args, tokenizer, context, flag)
-                   for flag, path in (("dataset", dataset), ("eval_dataset", eval_dataset)) if path}
+    prompt_sets = {"dataset": load_prompts(dataset, args, tokenizer, context)}
+    if eval_dataset:
+        prompt_sets["eval_dataset"] = load_prompts(eval_dataset, args, tokenizer, context,
+                                                   "eval_dataset")
     if max(max(i) for p in prompt_sets.values() for i in p.ids) >= vocab_size:
         fail(f"--model_name_or_path {model_path!r}: its tokenizer gives prompt ids past the "
              f"model's vocabulary of {vocab_size}; give the tokenizer that matches the model")
