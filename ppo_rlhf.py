@@ -939,61 +939,70 @@ def flag_errors(what):
         fail(f"{what}: {one_line(e)}")
 
 
+def warn(line):
+    """A warning on stderr, from rank 0 only: every rank runs the checks."""
+    if os.environ.get("RANK", "0") == "0":
+        say(line, sys.stderr)
+
+
 # What check_args allows of every flag with a range: {what is allowed: (its test, the flags)}.
 FLAG_RANGES = {
     ">= 1": (lambda v: v >= 1, "per_device_train_batch_size gradient_accumulation_steps"
              " num_mini_batches num_ppo_epochs response_length local_rollout_forward_batch_size"
-             " total_episodes num_generations adaptive_kl_horizon".split()),
+             " total_episodes num_generations adaptive_kl_horizon"),
     "> 0": (lambda v: v > 0, "temperature cliprange cliprange_value max_grad_norm dist_timeout_s"
-            " lora_alpha cispo_max sapo_temperature_pos sapo_temperature_neg rollout_correction_cap".split()),
+            " lora_alpha cispo_max sapo_temperature_pos sapo_temperature_neg"
+            " rollout_correction_cap"),
     ">= 0": (lambda v: v >= 0, "learning_rate kl_coef vf_coef save_every save_total_limit"
              " num_sample_generations lora_r eval_temperature overlong_buffer health_window"
-             " replay_rounds".split()),
-    "in [0, 1]": (lambda v: 0 <= v <= 1, ["gamma", "lam", "warmup_ratio"]),
+             " replay_rounds"),
+    "in [0, 1]": (lambda v: 0 <= v <= 1, "gamma lam warmup_ratio"),
     "> 0 (or unset)": (lambda v: v is None or v > 0, "target_kl adaptive_kl_target cliprange_high"
-                       " score_clip".split()),
-    "> 1 (or unset)": (lambda v: v is None or v > 1, ["dual_clip"]),
-    ">= 1 (or unset)": (lambda v: v is None or v >= 1, ["replay_weight_cap", "max_prompt_length"]),
+                       " score_clip"),
+    "> 1 (or unset)": (lambda v: v is None or v > 1, "dual_clip"),
+    ">= 1 (or unset)": (lambda v: v is None or v >= 1, "replay_weight_cap max_prompt_length"),
     "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
-                                                ["stop_token_id"]),
+                                                "stop_token_id"),
     "a finite number (or unset)": (lambda v: True, "missing_eos_penalty entropy_coef length_penalty"
-                                   " overlong_penalty off_policy_mask_threshold".split()),
+                                   " overlong_penalty off_policy_mask_threshold"),
 }
-# What check_args refuses of flags together: {the error: when}.
+# What check_args refuses of flags together: {the error: when}; ranges are checked first.
 FLAG_CONFLICTS = {
-    "--ref_model_path is unused: --kl_coef 0 has no KL term": lambda a: a.ref_model_path and a.kl_coef == 0,
+    "--ref_model_path is unused: --kl_coef 0 has no KL term":
+        lambda a: a.ref_model_path and a.kl_coef == 0,
     "--ref_model_path is unused with --lora_r: the reference is the policy, adapter off":
         lambda a: a.ref_model_path and a.lora_r,
-    "--export_checkpoint needs --resume FOLDER, the checkpoint it writes": lambda a: a.export_checkpoint
-        and a.resume in (None, "auto"),
+    "--export_checkpoint needs --resume FOLDER, the checkpoint it writes":
+        lambda a: a.export_checkpoint and a.resume in (None, "auto"),
     "--lora_target_modules needs --lora_r > 0": lambda a: a.lora_target_modules and not a.lora_r,
     "--replay_rounds N > 0 and --replay_correction naive|decoupled go together":
         lambda a: bool(a.replay_rounds) != (a.replay_correction is not None),
     "--replay_weight_cap needs --replay_correction decoupled (it caps its weights)":
-        lambda a: a.replay_weight_cap is not None and a.replay_correction != "decoupled",
+        lambda a: a.replay_weight_cap and a.replay_correction != "decoupled",
     "--warmup_ratio needs --lr_scheduler_type linear or cosine (constant has no warmup)":
-        lambda a: a.lr_scheduler_type == "constant" and a.warmup_ratio,  # transformers' ignores warmup
+        lambda a: a.lr_scheduler_type == "constant" and a.warmup_ratio,  # transformers' ignores it
     # E_π_old[∇k1] = −∇KL(π_old‖π_θ): nothing toward π_ref (ρ·k1's is ∇KL(π_θ‖π_ref))
     "--kl_estimator k1, --kl_in loss and --no-use-bias-correction-kl pull nothing toward π_ref":
         lambda a: a.kl_in == "loss" and a.kl_estimator == "k1" and not a.use_bias_correction_kl,
     "--adaptive_kl_target scales --kl_coef, which is 0: give --kl_coef > 0":
-        lambda a: a.adaptive_kl_target is not None and a.kl_coef == 0,
+        lambda a: a.adaptive_kl_target and a.kl_coef == 0,
     "--dual_clip bounds the clipped surrogate: it needs --policy_loss clip":
-        lambda a: a.dual_clip is not None and a.policy_loss != "clip",
+        lambda a: a.dual_clip and a.policy_loss != "clip",
     "--importance_sampling_level sequence needs a value-free --advantage_estimator (A per token), "
     "no --dual_clip": lambda a: a.importance_sampling_level == "sequence" and (
-        ESTIMATORS[a.advantage_estimator]["learns_value"] or a.dual_clip is not None),
+        ESTIMATORS[a.advantage_estimator]["learns_value"] or a.dual_clip),
     "--importance_sampling_level: --policy_loss does not take it (POLICY_LOSSES' levels)":
         lambda a: a.importance_sampling_level not in POLICY_LOSSES[a.policy_loss]["levels"],
-    "--off_policy_mask_threshold needs a value-free --advantage_estimator (it judges whole responses)":
-        lambda a: a.off_policy_mask_threshold is not None
+    "--off_policy_mask_threshold needs a value-free --advantage_estimator (it judges whole "
+    "responses)": lambda a: a.off_policy_mask_threshold is not None
         and ESTIMATORS[a.advantage_estimator]["learns_value"],
     "--filter_zero_std_groups needs a group --advantage_estimator (ESTIMATORS' grouped)":
         lambda a: a.filter_zero_std_groups and not ESTIMATORS[a.advantage_estimator]["grouped"],
-    "--rollout_correction needs --dtype bf16 or fp16: in fp32 the sampler's μ is π_old itself (w = 1)":
-        lambda a: a.rollout_correction != "none" and a.dtype == "fp32",
-    "--rollout_correction with --replay_rounds: replay's μ is the sampler's, --replay_correction decoupled "
-    "weights every row by π_prox/μ already": lambda a: a.rollout_correction != "none" and a.replay_rounds,
+    "--rollout_correction needs --dtype bf16 or fp16: in fp32 the sampler's μ is π_old itself "
+    "(w = 1)": lambda a: a.rollout_correction != "none" and a.dtype == "fp32",
+    "--rollout_correction with --replay_rounds: replay's μ is the sampler's, --replay_correction "
+    "decoupled weights every row by π_prox/μ already":
+        lambda a: a.rollout_correction != "none" and a.replay_rounds,
 }
 
 
@@ -1002,31 +1011,31 @@ def derive_sizes(args, world_size):
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     local_mini_batch_size = local_batch_size // args.num_mini_batches
     batch_size = local_batch_size * world_size  # responses per update over all ranks
-    return SimpleNamespace(world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
-                           local_num_prompts=local_batch_size // args.num_generations,
-                           local_mini_batch_size=local_mini_batch_size,
-                           micro_batch_size=local_mini_batch_size // args.gradient_accumulation_steps,
-                           num_updates=args.total_episodes // batch_size)
+    return SimpleNamespace(
+        world_size=world_size, batch_size=batch_size, local_batch_size=local_batch_size,
+        local_num_prompts=local_batch_size // args.num_generations,
+        local_mini_batch_size=local_mini_batch_size,
+        micro_batch_size=local_mini_batch_size // args.gradient_accumulation_steps,
+        num_updates=args.total_episodes // batch_size)
 
 
 def check_args(args):
     """Every check that needs only the flags (and torchrun's WORLD_SIZE). -> the derived sizes."""
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
-    args.kl_estimator = args.kl_estimator or ("k3" if args.kl_in == "loss" else "k1")  # as TRL's PPO, GRPO
+    args.kl_estimator = args.kl_estimator or ("k3" if args.kl_in == "loss" else "k1")  # as in TRL
     for flag, table in (("advantage_estimator", ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
         if getattr(args, flag) not in table:  # a fork's new value without its facts
             fail(f"--{flag} {getattr(args, flag)}: no row of facts beside its branch")
-    per_response = "seq_mean_token_mean"  # as veRL: one ratio (or gate) per response counts once
     loss_agg = POLICY_LOSSES[args.policy_loss]["loss_agg"]
-    loss_agg = per_response if args.importance_sampling_level == "sequence" else loss_agg
-    rank0 = int(os.environ.get("RANK", 0)) == 0
-    if args.loss_agg not in (None, loss_agg) and loss_agg == per_response and rank0:  # as TRL
-        say(f"warning: --loss_agg {args.loss_agg} weights each response by its length; GSPO and "
-            "SAPO average per response (seq_mean_token_mean)", file=sys.stderr)
+    if args.importance_sampling_level == "sequence":  # as veRL: one ratio per response counts once
+        loss_agg = "seq_mean_token_mean"
+    if args.loss_agg not in (None, loss_agg) and loss_agg == "seq_mean_token_mean":  # as TRL
+        warn(f"warning: --loss_agg {args.loss_agg} weights each response by its length; GSPO and "
+             "SAPO average per response (seq_mean_token_mean)")
     args.loss_agg = args.loss_agg or loss_agg
     for allowed, (ok, flags) in FLAG_RANGES.items():
-        for flag in flags:  # NaN fails every comparison; inf is refused too
+        for flag in flags.split():  # NaN fails every comparison; inf is refused too
             value = getattr(args, flag)
             if not ok(value) or (isinstance(value, float) and not math.isfinite(value)):
                 fail(f"--{flag} {value} is out of range: it must be {allowed}")
@@ -1060,7 +1069,8 @@ def check_args(args):
         if refused(args):
             fail(message)
     if args.overlong_buffer > args.response_length:
-        fail(f"--overlong_buffer {args.overlong_buffer} is over --response_length {args.response_length}")
+        fail(f"--overlong_buffer {args.overlong_buffer} is over --response_length "
+             f"{args.response_length}")
     if args.total_episodes < sizes.batch_size:
         fail(f"--total_episodes {args.total_episodes} is less than one rollout batch "
              f"({sizes.batch_size} over all ranks)")
@@ -1072,37 +1082,39 @@ def check_args(args):
 
 def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     """Every check that needs files but no weights: output, configs, prompts, rewards."""
-    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":  # before any read
+    if not args.reward_model_path and not args.reward_fn and args.dataset != "builtin":  # first
         fail("no reward for these prompts: give --reward_model_path or --reward_fn (the built-in "
              "reward scores only the built-in task's sums)")
-    # the output folder: writable, no run in it unless resumed
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        fail(f"--output_dir {output_dir!r} is a file; give a folder")
-    parent = os.path.abspath(output_dir)
+    parent = os.path.abspath(output_dir)  # the output folder: writable, no run in it unless resumed
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"--output_dir {output_dir!r}: {parent!r} is a file; give a folder")
     if not os.access(parent, os.W_OK):
         fail(f"--output_dir {output_dir!r} cannot be written ({parent!r} is not writable)")
     if os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and not args.resume:
         fail(f"--output_dir {output_dir!r} already holds a run (metrics.jsonl); pass --resume auto "
              "(it continues the run, or with no checkpoint sets its metrics.jsonl aside and starts "
              "over) or choose another --output_dir")
-    if args.resume not in (None, "auto") and not os.path.isfile(os.path.join(args.resume, "state.pt")):
-        fail(f"--resume {args.resume!r} is not a checkpoint (no state.pt); give one, or `auto`")
     if args.track:
         with flag_errors("--track needs `pip install wandb`"):
             importlib.import_module("wandb")
     if args.lora_r:
         with flag_errors("--lora_r needs `pip install peft`"):
             importlib.import_module("peft")
-    policy_config, reward_configs = check_configs(args, model_path)
+    configs = check_configs(args, model_path)
     base_model = adapter_base(model_path) or model_path  # an adapter's base, else the model itself
+    policy_config = configs[base_model]
     own_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
     tokenizer = from_pretrained(AutoTokenizer, model_path if own_tokenizer else base_model,
                                 "model_name_or_path", args)
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base_model, policy_config)
-    for path in resume_candidates(args, output_dir)[:1]:  # resume()'s first, before any weights
-        with suppress(*DAMAGED):  # damaged: resume() skips it, or says why it cannot load it
+    vocab_size = getattr(policy_config.get_text_config(), "vocab_size", None) or len(tokenizer)
+    outside = [i for i in stop_token_ids if not 0 <= i < vocab_size]  # not grown for a pad
+    if outside:
+        fail(f"--stop_token_id {outside}: not in the policy's vocabulary [0, {vocab_size})")
+    for path in resume_candidates(args, output_dir)[:1]:  # resume()'s first; auto skips damaged
+        with suppress(*DAMAGED) if args.resume == "auto" else flag_errors(f"--resume {path!r}"):
             check_checkpoint(path, args, stop_token_ids, int(os.environ.get("WORLD_SIZE", 1)))
     if not stop_token_ids and int(os.environ.get("RANK", 0)) == 0:
         say("note: no stop id (--stop_token, --stop_token_id, the tokenizer, generation_config): "
@@ -1117,27 +1129,26 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
         fail(f"--eval_dataset {args.eval_dataset!r} is --dataset with the same split "
              f"({args.dataset_train_split!r}): it would evaluate on training prompts; give another "
              "--dataset_test_split")
-    prompts = load_prompts(dataset, args, tokenizer, context)
-    eval_prompts = eval_dataset and load_prompts(eval_dataset, args, tokenizer, context, "eval_dataset")
-    prompt_sets = {"dataset": prompts, **({"eval_dataset": eval_prompts} if eval_prompts else {})}
-    vocab_size = getattr(policy_config.get_text_config(), "vocab_size", None)  # not grown for a pad
-    if vocab_size and max(max(i) for p in prompt_sets.values() for i in p.ids) >= vocab_size:
+    prompt_sets = {"dataset": load_prompts(dataset, args, tokenizer, context)}
+    if eval_dataset:
+        prompt_sets["eval_dataset"] = load_prompts(eval_dataset, args, tokenizer, context,
+                                                   "eval_dataset")
+    if max(max(i) for p in prompt_sets.values() for i in p.ids) >= vocab_size:
         fail(f"--model_name_or_path {model_path!r}: its tokenizer gives prompt ids past the "
              f"model's vocabulary of {vocab_size}; give the tokenizer that matches the model")
-    if (eval_prompts and os.path.isfile(dataset) and os.path.isfile(eval_dataset)  # local files
-            and os.path.samefile(dataset, eval_dataset) and int(os.environ.get("RANK", 0)) == 0):
-        say(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on "
-            "training prompts", file=sys.stderr)
-    reward_tokenizers, reward_fns = check_rewards(args, tokenizer, reward_configs, prompt_sets,
-                                                  stop_token_ids)
-    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, eval_prompts=eval_prompts,
-                           reward_fns=reward_fns, reward_tokenizers=reward_tokenizers,
-                           stop_token_ids=stop_token_ids)
+    if (eval_dataset and os.path.isfile(dataset) and os.path.isfile(eval_dataset)  # local files
+            and os.path.samefile(dataset, eval_dataset)):
+        warn(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on "
+             "training prompts")
+    return SimpleNamespace(tokenizer=tokenizer, prompts=prompt_sets["dataset"],
+                           eval_prompts=prompt_sets.get("eval_dataset"),
+                           stop_token_ids=stop_token_ids,
+                           **check_rewards(args, tokenizer, configs, prompt_sets, stop_token_ids))
 
 
 def check_configs(args, model_path):
-    """The policy's config, the reward models' (1-label sequence classifiers)."""
-    configs, reward_configs, stored_dtypes = {}, {}, {}
+    """Every config by path (an adapter's: its base's); reward models: 1-label classifiers."""
+    configs = {}
     for flag, path in {"model_name_or_path": model_path, "ref_model_path": args.ref_model_path,
                        "value_model_path": args.value_model_path}.items():
         if path:
@@ -1145,25 +1156,23 @@ def check_configs(args, model_path):
             if base:  # an adapter checkpoint: peft, and its base's config
                 with flag_errors(f"--{flag} {path!r} (an adapter) needs `pip install peft`"):
                     importlib.import_module("peft")
-            configs[flag] = from_pretrained(AutoConfig, base or path, flag, args)
-            stored_dtypes[base or path] = stored_dtype(base or path, configs[flag])
+            configs[base or path] = from_pretrained(AutoConfig, base or path, flag, args)
     for path in args.reward_model_path or []:
-        config = reward_configs[path] = from_pretrained(AutoConfig, path, "reward_model_path", args)
+        config = configs[path] = from_pretrained(AutoConfig, path, "reward_model_path", args)
         kind = (config.architectures or [type(config).__name__])[0]
         if config.architectures and not kind.endswith("ForSequenceClassification"):
             fail(f"--reward_model_path {path!r} is a {kind} checkpoint, which has no reward head; "
                  "give a sequence classifier (*ForSequenceClassification) with one label")
         if config.num_labels != 1:
             fail(f"--reward_model_path {path!r} is a {kind} with {config.num_labels} labels, not 1")
-        stored_dtypes[path] = stored_dtype(path, config)
-    bf16_stored = [path for path, dtype in stored_dtypes.items() if dtype == torch.bfloat16]
-    if args.dtype == "fp16" and bf16_stored and int(os.environ.get("RANK", 0)) == 0:
-        say(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype "
-            "fp16 can overflow where bf16 does not (--dtype bf16 avoids it)", file=sys.stderr)
-    return configs["model_name_or_path"], reward_configs
+    bf16_stored = [p for p, config in configs.items() if stored_dtype(p, config) == torch.bfloat16]
+    if args.dtype == "fp16" and bf16_stored:
+        warn(f"warning: {', '.join(bf16_stored)}: stored in bf16, whose range fp16 lacks: --dtype "
+             "fp16 can overflow where bf16 does not (--dtype bf16 avoids it)")
+    return configs
 
 
-def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
+def check_rewards(args, tokenizer, configs, prompt_sets, stop_token_ids):
     """Each reward model's tokenizer (None: the policy's ids), context checked; the functions."""
     reward_tokenizers = []
     for path in args.reward_model_path or []:
@@ -1174,11 +1183,13 @@ def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
             reward_tokenizer.pad_token = reward_tokenizer.eos_token
         reward_tokenizers.append(reward_tokenizer)
         for prompts in prompt_sets.values():  # its context: the longest prompt, in its tokens
-            ids = prompts.ids if reward_tokenizer is None else [reward_tokenizer(
-                reward_text(reward_tokenizer, prompts, r, ""), add_special_tokens=m is None)["input_ids"]
+            ids = prompts.ids if reward_tokenizer is None else [
+                reward_tokenizer(reward_text(reward_tokenizer, prompts, r, ""),
+                                 add_special_tokens=m is None)["input_ids"]
                 for r, m in enumerate(prompts.messages)]
             longest = max(map(len, ids))
-            check_context(f"--reward_model_path {path!r}", reward_configs[path], longest + args.response_length,
+            check_context(f"--reward_model_path {path!r}", configs[path],
+                          longest + args.response_length,
                           f"a prompt of {longest} + --response_length {args.response_length}",
                           "shorten the prompts (--max_prompt_length) or --response_length")
     reward_fns = [(load_reward_fn(spec), spec) for spec in args.reward_fn or []]
@@ -1187,8 +1198,9 @@ def check_rewards(args, tokenizer, reward_configs, prompt_sets, stop_token_ids):
         if ADDITION_WORDS.index("<eos>") not in stop_token_ids:
             fail("the built-in task's answers end at its EOS, which is not a stop id here: keep "
                  "--stop_token eos")
-    fields = {flag: list(prompts.fields) for flag, prompts in prompt_sets.items()}
-    return reward_tokenizers, [(fn, spec, reward_call(fn, spec, fields)) for fn, spec in reward_fns]
+    fields = {flag: prompts.fields for flag, prompts in prompt_sets.items()}  # their names
+    return dict(reward_tokenizers=reward_tokenizers,
+                reward_fns=[(fn, spec, reward_call(fn, spec, fields)) for fn, spec in reward_fns])
 
 
 def stored_dtype(path, config):
@@ -1210,18 +1222,14 @@ def stored_dtype(path, config):
 
 def resolve_stop_token_ids(args, tokenizer, path, config):
     """--stop_token_id, or with --stop_token eos the tokenizer's and generation config's EOS."""
-    ids = args.stop_token_id or []
-    if args.stop_token_id is None and args.stop_token == "eos":
+    ids = args.stop_token_id or []  # [] is refused by check_args
+    if not ids and args.stop_token == "eos":
         try:
             eos = transformers.GenerationConfig.from_pretrained(path).eos_token_id
         except OSError:  # no generation_config.json
             eos = transformers.GenerationConfig.from_model_config(config).eos_token_id
         ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])]
     ids = list(dict.fromkeys(i for i in ids if i is not None))  # once each
-    vocab_size = getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)
-    outside = [i for i in ids if not 0 <= i < vocab_size]
-    if outside:
-        fail(f"--stop_token_id {outside}: not in the policy's vocabulary [0, {vocab_size})")
     if not ids and (args.mask_truncated_completions or args.missing_eos_penalty is not None):
         flag = ("--mask_truncated_completions" if args.mask_truncated_completions
                 else "--missing_eos_penalty")
