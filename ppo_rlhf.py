@@ -631,6 +631,12 @@ def response_chunks(batch, chunk):
         yield rows, L, batch["query_responses"][rows, :width], batch["attention_mask"][rows, :width]
 
 
+def trainer_state(updates_done, sizes, args, prompts):
+    """TRL's trainer_state for reward functions: updates done, in the run, passes over prompts."""
+    epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
+    return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
+
+
 def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=False):
     """Phase 2: no-grad forwards of the frozen models -> ref_logprobs, values (B, R), completions,
     source_scores (B, S; NaN: None), raw_scores Σ w·s (B,), scored (B,; False: every source gave
@@ -805,7 +811,23 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     return policy_term, vf_loss, losses, tokens
 
 
+def optimizer_step(optimizer, scaler, params, max_grad_norm):
+    """Unscale, clip the gradient norm, step, zero. -> the norm, None if not finite."""
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+    if not torch.isfinite(grad_norm) and not scaler.is_enabled():
+        return None
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return grad_norm
+
+
 # --------------------------------------------------------- main: setup, then the loop in six phases
+ON_FAILURE = []  # checkpoint(failing=True) while the weights are the last update's; errors run it
+
+
 def main(args: Args):
     ON_FAILURE.clear()  # an earlier run's, in this process
     sizes = agreed(check_args, args)  # a bad flag fails before loading
@@ -1247,10 +1269,6 @@ def check_context(model, config, tokens, what, fix):
 
 
 # -------------------------------------------------------------------------- the held-out evaluation
-def trainer_state(updates_done, sizes, args, prompts):
-    """TRL's trainer_state for reward functions: updates done, in the run, passes over prompts."""
-    epoch = updates_done * sizes.batch_size / args.num_generations / len(prompts.ids)
-    return SimpleNamespace(global_step=updates_done, max_steps=sizes.num_updates, epoch=epoch)
 
 
 def evaluate(models, prompts, update, args, rt, trainer_state):
@@ -1985,19 +2003,6 @@ def gradient_sync(model, sync):
         yield
 
 
-def optimizer_step(optimizer, scaler, params, max_grad_norm):
-    """Unscale, clip the gradient norm, step, zero. -> the norm, None if not finite."""
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
-    if not torch.isfinite(grad_norm) and not scaler.is_enabled():
-        return None
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad()
-    return grad_norm
-
-
 # ------------------------------ memory-efficient log-probs (systems: a first reading may skip this)
 def last_hidden(model, input_ids, attention_mask, keep):
     """A causal LM's last hidden states (B, keep, H): its own forward with an identity output layer
@@ -2071,7 +2076,6 @@ RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample
 CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
 DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
-ON_FAILURE = []  # checkpoint(failing=True) while the weights are the last update's; errors run it
 
 
 def full_state_dict(model, dtypes=None):
