@@ -945,7 +945,7 @@ def main(args: Args):
     return log.last
 
 
-# ====== Behind main (a first reading may stop here): checks, evaluation, models, data, rewards, systems ======
+# ====== Behind main (a first reading may stop here): checks, evaluation, models, data, systems ======
 # -------------------------------------------------- flags and inputs, checked before anything loads
 def fail(message):
     """Bad input: one line naming the flag to fix (no traceback); nothing written is touched."""
@@ -2173,7 +2173,7 @@ def list_checkpoints(output_dir):
 
 
 def trained_state(model, optimizer, args):
-    """What DCP saves and loads: this rank's shards of weights and AdamW state (LoRA: what trains)"""
+    """DCP's state: this rank's shards of weights and AdamW state (LoRA: what trains)"""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     weights, optimizer_state = get_state_dict(model, optimizer)
     if args.lora_r:
