@@ -1369,7 +1369,7 @@ def from_pretrained(cls, path, flag, args, **kwargs):
     """cls.from_pretrained(path), or one line naming the flag when that fails."""
     # a local folder that is not there (transformers would say "Repo id must be in the form ...")
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
-        fail(f"--{flag} {path!r}: no such folder (give a model folder or a hub name like org/model)")
+        fail(f"--{flag} {path!r}: no such folder (give a model folder or hub name like org/model)")
     with flag_errors(f"--{flag} {path!r} could not be loaded"):
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
 
@@ -1389,7 +1389,7 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)
     loaded = rt and rt.fsdp and load_into_shards(cls, path, flag, config, dtype, rt, frozen)
-    if not loaded:  # transformers' own report of missing and unused weights: said below, a line each
+    if not loaded:  # transformers' report of missing and unused weights: said below, a line each
         no_report = lambda r: not re.search(r"^Some weights of|LOAD REPORT", r.getMessage())
         log = transformers.utils.logging.get_logger("transformers.modeling_utils")
         log.addFilter(no_report)
@@ -1520,9 +1520,9 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
              f"{len(over)} longer than --max_prompt_length {limit}"
              f"{'' if args.max_prompt_length else default}; shorten them or pass "
              "--overlong_prompts filter|truncate_left")
-    # chat rows are filtered; the policy reads the last ids, the reward sources their text
-    truncated = [i for i in over if args.overlong_prompts == "truncate_left" and messages[i] is None]
-    for i in truncated:
+    truncated = [i for i in over  # chat rows: filtered
+                 if args.overlong_prompts == "truncate_left" and messages[i] is None]
+    for i in truncated:  # the policy reads the last ids; the reward sources the text of those ids
         ids[i] = ids[i][-limit:]
         texts[i] = tokenizer.decode(ids[i])
     dropped = set(over) - set(truncated)
@@ -1576,14 +1576,13 @@ def render_prompts(rows, tokenizer):
 def load_reward_fn(spec):
     """`module:function` (the current folder first) or `file.py:function` -> it."""
     module, _, name = spec.rpartition(":")
-    sys.path.insert(0, os.getcwd())  # sys.path[0] is the script's folder, not the current one
-    try:
-        with flag_errors(f"--reward_fn {spec!r} (module:function or file.py:function) cannot be "
-                         "loaded"):
+    with flag_errors(f"--reward_fn {spec!r} (module:function or file.py:function) fails to load"):
+        sys.path.insert(0, os.getcwd())  # sys.path[0] is the script's folder, not the current one
+        try:
             namespace = (runpy.run_path(module) if module.endswith(".py")
                          else vars(importlib.import_module(module)))
-    finally:
-        sys.path.remove(os.getcwd())
+        finally:
+            sys.path.remove(os.getcwd())
     if not callable(namespace.get(name)):
         fail(f"--reward_fn {spec!r}: {module} has no function {name!r}")
     return namespace[name]
@@ -1620,17 +1619,16 @@ def reward_call(fn, spec, fields):
     return asked
 
 
-def text_scores(models, rm_scores, prompts, rows, completions, completion_ids, state, chunk, rt):
+def text_scores(models, rm_scores, prompts, rows, completions, responses, state, chunk, rt):
     """Every source's scores (B, S): reward models (text ones here), then functions."""
     with rt.no_grad(), rt.autocast():
-        for j, (model, tokenizer) in enumerate(models.reward_models):
+        for j, (rm, tokenizer) in enumerate(models.reward_models):
             if tokenizer is not None:  # its own tokenizer: it reads the text
-                rm_scores[j] = torch.cat([score_texts(model, tokenizer, prompts, rows[i : i + chunk],
+                rm_scores[j] = torch.cat([score_texts(rm, tokenizer, prompts, rows[i : i + chunk],
                                                       completions[i : i + chunk], rt.device)
                                           for i in range(0, len(rows), chunk)])
     # a vote, as for a non-finite loss: a reward function that fails on one rank stops them all
-    fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, completion_ids,
-                       state)
+    fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, responses, state)
     return torch.column_stack([*rm_scores, fn_scores.to(rt.device)])
 
 
@@ -1697,10 +1695,9 @@ def score_texts(model, tokenizer, prompts, rows, completions, device):
     enc = tokenizer([reward_text(tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
                     padding=True, return_tensors="pt",
                     add_special_tokens=prompts.messages[rows[0]] is None).to(device)
-    check_context(f"--reward_model_path {model.name_or_path!r}", model.config,
-                  enc["input_ids"].shape[1], "prompt + response in its tokens",
-                  "lower --response_length")
     mask = enc["attention_mask"].bool()
+    check_context(f"--reward_model_path {model.name_or_path!r}", model.config, mask.shape[1],
+                  "prompt + response in its tokens", "lower --response_length")
     if not hasattr(model, "score"):
         return model(**enc).logits[:, 0].float()
     last = mask.cumsum(1).argmax(1, keepdim=True)  # the last real token: where the count peaks
@@ -1739,12 +1736,13 @@ def build_addition_task(folder, seed, held_out=True):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(ADDITION_WORDS)}, unk_token="<unk>"))
+    words = ADDITION_WORDS
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(cleanup=False)  # joins words with spaces
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                         unk_token="<unk>")
-    config = LlamaConfig(vocab_size=len(ADDITION_WORDS), hidden_size=64, intermediate_size=256,
+    config = LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     torch.manual_seed(seed)
