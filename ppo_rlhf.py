@@ -1499,9 +1499,9 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     rows, lines = read_prompts(dataset, split, flag)
     where = lambda i: f"row {i + 1}" + (f" (line {lines[i]})" if lines else "")  # from 1, as files
     prompts = [row.get("prompt", row.get("messages")) for row in rows]
-    bad = [i for i, p in enumerate(prompts) if not (isinstance(p, str) or
-        isinstance(p, list) and p and all(isinstance(m, dict) and all(
-            isinstance(m.get(k), str) for k in ("role", "content")) for m in p))]
+    bad = [i for i, p in enumerate(prompts) if not (isinstance(p, str) or isinstance(p, list) and p
+           and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                   and isinstance(m.get("content"), str) for m in p))]
     if bad:  # else transformers' chat template fails on it, naming no row
         fail(f"--{flag} {dataset!r}: {where(bad[0])} is not a text or a non-empty list of messages "
              '{"role": str, "content": str}')
