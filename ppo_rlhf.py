@@ -1385,12 +1385,13 @@ def from_pretrained(cls, path, flag, args, **kwargs):
     """cls.from_pretrained(path), or one line naming the flag when that fails."""
     # a local folder that is not there (transformers would say "Repo id must be in the form ...")
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
-        fail(f"--{flag} {path!r}: no such folder (give a model folder, or a hub name like org/model)")
+        fail(f"--{flag} {path!r}: no such folder (give a model folder or hub name like org/model)")
     with flag_errors(f"--{flag} {path!r} could not be loaded"):
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
 
 
-def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, rt=None, frozen=False, **kwargs):
+def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, rt=None,
+                    frozen=False, **kwargs):
     """A model in `dtype`, dropout off (it would break π_old), one line for missing weights;
     given rt under FSDP2, loaded into its shards where it can be (load_into_shards)."""
     base = adapter_base(path, flag)
@@ -1403,21 +1404,23 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)
-    model, info = rt and rt.fsdp and load_into_shards(cls, path, flag, config, dtype, rt, frozen) or (None, None)
-    if model is None:  # transformers' own report of missing and unused weights: said below instead, in one line each
-        no_report = lambda record: not re.search(r"^Some weights of|LOAD REPORT", record.getMessage())
-        transformers_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
-        transformers_log.addFilter(no_report)
-        try:
-            model, info = from_pretrained(cls, path, flag, args, config=config, output_loading_info=True,
-                                          dtype=dtype)  # transformers >= 5 would keep the storage's dtype
+    loaded = rt and rt.fsdp and load_into_shards(cls, path, flag, config, dtype, rt, frozen)
+    if not loaded:  # transformers' report of missing and unused weights: said below, a line each
+        no_report = lambda r: not re.search(r"^Some weights of|LOAD REPORT", r.getMessage())
+        log = transformers.utils.logging.get_logger("transformers.modeling_utils")
+        log.addFilter(no_report)
+        try:  # dtype: transformers >= 5 would keep the storage's
+            loaded = from_pretrained(cls, path, flag, args, config=config, dtype=dtype,
+                                     output_loading_info=True)
         finally:
-            transformers_log.removeFilter(no_report)
+            log.removeFilter(no_report)
+    model, info = loaded
     missing = [k for k in info["missing_keys"] if not (new_head and k.startswith("score."))]
     for kind, keys in (("missing from", missing), ("unused by", info["unexpected_keys"])):
         if keys:
             say(f"warning: --{flag} {path!r}: {len(keys)} weights {kind} the checkpoint "
-                f"({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})", file=sys.stderr)
+                f"({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})",
+                file=sys.stderr)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -1438,42 +1441,41 @@ def load_models(args, model_path, inputs, rt):
     """Every model on rt.device, trained ones fp32 and wrapped (wrap_for_training)."""
     frozen_dtype = rt.low_dtype or torch.float32
     dtype = frozen_dtype if args.lora_r else torch.float32  # of trained models (LoRA: frozen)
-    frozen = lambda model, dtype=frozen_dtype: model.requires_grad_(False).eval().to(rt.device, dtype)
-    trained_rt = None if args.lora_r else rt  # FSDP2 loads into shards (peft adapts whole models)
+    frozen = lambda m, dtype=frozen_dtype: m.requires_grad_(False).eval().to(rt.device, dtype)
     frozen_rt = rt if args.shard_frozen_models else None
     if rt.fsdp and args.lora_r and rt.rank == 0:
-        say("note: --lora_r: peft adds its adapters to whole models, so each rank loads them whole, then shards them")
-    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args, dtype, rt=trained_rt)
+        say("note: --lora_r: peft adapts whole models: each rank loads them, then shards them")
+    policy = load_pretrained(AutoModelForCausalLM, model_path, "model_name_or_path", args, dtype,
+                             rt=None if args.lora_r else rt)  # FSDP2: into shards (not for peft)
     if args.lora_r:
         policy = add_lora(policy, args)
     policy.to(rt.device)
-    # log-probs straight from the hidden states where the model allows it (probed before the other models
-    # load: under FSDP2 its forward gathers); a sharded frozen model's output layer is only whole inside
-    # its own forward, so it makes its (B, R, V) logits
+    # log-probs straight from the hidden states where the model allows it (probed before the other
+    # models load: under FSDP2 its forward gathers)
     policy_head = output_layer(policy)
-    ref_policy = None  # --kl_coef 0: no KL, no reference model
-    if args.kl_coef and args.lora_r:
-        ref_policy = policy  # the same weights: score() switches the adapter off
-    elif args.kl_coef:  # in the policy's precision, so that where π_θ = π_ref the KL is 0, not a bf16 floor:
-        # fp32 under autocast, the bf16 of its gathers under FSDP2 (loaded again: the policy is in shards)
-        ref_policy = frozen(copy.deepcopy(policy) if not (rt.fsdp or args.ref_model_path) else load_pretrained(
+    ref_policy = ref_head = None  # --kl_coef 0: no KL, no reference model
+    if args.kl_coef and args.lora_r:  # the same weights: score() switches the adapter off
+        ref_policy, ref_head = policy, policy_head
+    elif args.kl_coef:  # in the policy's precision, so that where π_θ = π_ref the KL is 0, not a
+        # bf16 floor: fp32 under autocast, the bf16 of its gathers under FSDP2 (loaded again: the
+        # policy is in shards); RoPE's inv_freq as loaded
+        ref_policy = frozen(load_pretrained(
             AutoModelForCausalLM, args.ref_model_path or model_path, "ref_model_path", args,
-            frozen_dtype if rt.fsdp else dtype, rt=frozen_rt, frozen=True), None)  # RoPE's inv_freq: as loaded
-    reward_models = []  # (model, its tokenizer, or None if it reads the policy's token ids)
-    for path, reward_tokenizer in zip(args.reward_model_path or [], inputs.reward_tokenizers):
-        reward_model = load_pretrained(AutoModelForSequenceClassification, path, "reward_model_path", args,
-                                       frozen_dtype, rt=frozen_rt, frozen=True)
-        reward_models.append((frozen(reward_model), reward_tokenizer))
+            frozen_dtype if rt.fsdp else dtype, rt=frozen_rt, frozen=True)
+            if rt.fsdp or args.ref_model_path else copy.deepcopy(policy), None)
+        # a sharded frozen model's output layer is whole only inside its forward: (B, R, V) logits
+        ref_head = None if rt.fsdp and args.shard_frozen_models else output_layer(ref_policy)
+    reward_models = [(frozen(load_pretrained(  # (model, its tokenizer, or None: the policy's ids)
+        AutoModelForSequenceClassification, path, "reward_model_path", args, frozen_dtype,
+        rt=frozen_rt, frozen=True)), reward_tokenizer)
+        for path, reward_tokenizer in zip(args.reward_model_path or [], inputs.reward_tokenizers)]
     value_model, value_source, value_path = load_value_model(args, model_path, inputs, dtype, rt)
-    paths = {"policy": model_path, "value_model": value_path}
     # a path that still holds the base weights after the run (not the built-in task's temp folder,
     # nor a merged adapter); else None, and a LoRA run saves them beside its adapter
-    base_paths = {k: None if args.model_name_or_path == "builtin" and p == model_path or adapter_base(p) else p
-                  for k, p in paths.items() if p}
+    base_paths = {k: None if args.model_name_or_path == "builtin" and p == model_path
+                  or adapter_base(p) else p
+                  for k, p in {"policy": model_path, "value_model": value_path}.items() if p}
     num_sources = len(reward_models + inputs.reward_fns)
-    ref_head = policy_head if ref_policy is policy else None  # LoRA: the reference is the policy
-    if ref_policy not in (None, policy) and not (rt.fsdp and args.shard_frozen_models):
-        ref_head = output_layer(ref_policy)
     tokenizer = inputs.tokenizer
     models = SimpleNamespace(
         tokenizer=tokenizer, policy=policy, ref_policy=ref_policy, value_model=value_model,
@@ -1482,7 +1484,7 @@ def load_models(args, model_path, inputs, rt):
         reference=policy.disable_adapter if args.lora_r else nullcontext,  # around ref_policy
         stop_token_ids=inputs.stop_token_ids, value_source=value_source, ref_head=ref_head,
         policy_head=policy_head, reward_models=reward_models, reward_fns=inputs.reward_fns,
-        builtin_reward=[spec for _, spec, _ in inputs.reward_fns] == ["addition_reward"],
+        builtin_reward=not (args.reward_fn or args.reward_model_path),  # addition_reward alone
         reward_weights=torch.tensor(args.reward_weights or [1 / num_sources] * num_sources,
                                     device=rt.device),
         base_paths=base_paths)
@@ -1494,29 +1496,28 @@ def load_value_model(args, model_path, inputs, dtype, rt):
     if not ESTIMATORS[args.advantage_estimator]["learns_value"]:
         return None, f"no value model (--advantage_estimator {args.advantage_estimator})", None
     shared = inputs.reward_tokenizers[:1] == [None]  # reward model 1 reads the policy's ids
-    value_path = args.value_model_path or (args.reward_model_path[0] if shared else model_path)
-    value_model = load_pretrained(AutoModelForSequenceClassification, value_path, "value_model_path", args,
-                                  dtype, new_head=True, rt=None if args.lora_r else rt, num_labels=1)
-    if not hasattr(value_model, "score"):
-        fail(f"--value_model_path {value_path!r}: need a decoder with a per-token `score` head "
+    path = args.value_model_path or (args.reward_model_path[0] if shared else model_path)
+    model = load_pretrained(AutoModelForSequenceClassification, path, "value_model_path", args,
+                            dtype, new_head=True, rt=None if args.lora_r else rt, num_labels=1)
+    if not hasattr(model, "score"):
+        fail(f"--value_model_path {path!r}: need a decoder with a per-token `score` head "
              "(a *ForSequenceClassification of a causal LM)")
     if args.lora_r:  # its own adapter, and the whole score head
-        value_model = add_lora(value_model, args, modules_to_save=["score"])
-    source = "value model from " + (f"--value_model_path {value_path}" if args.value_model_path else
-                                    "the reward model" if value_path != model_path else "the policy")
-    return value_model.to(rt.device), source, value_path
+        model = add_lora(model, args, modules_to_save=["score"])
+    source = "value model from " + (f"--value_model_path {path}" if args.value_model_path else
+                                    "the reward model" if path != model_path else "the policy")
+    return model.to(rt.device), source, path
 
 
 def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     """-> texts, ids, chat messages, the rows' other fields, over-long counts."""
     split = args.dataset_train_split if flag == "dataset" else args.dataset_test_split
     rows, lines = read_prompts(dataset, split, flag)
-    where = lambda i: f"row {i + 1}" + (f" (line {lines[i]})" if lines else "")  # noqa: E731 (from 1, as files)
+    where = lambda i: f"row {i + 1}" + (f" (line {lines[i]})" if lines else "")  # from 1, as files
     prompts = [row.get("prompt", row.get("messages")) for row in rows]
-    chat = lambda p: isinstance(p, list) and p and all(  # noqa: E731
-        isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
-        for m in p)
-    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) and not chat(p)]
+    bad = [i for i, p in enumerate(prompts) if not (isinstance(p, str) or isinstance(p, list) and p
+           and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                   and isinstance(m.get("content"), str) for m in p))]
     if bad:  # else transformers' chat template fails on it, naming no row
         fail(f"--{flag} {dataset!r}: {where(bad[0])} is not a text or a non-empty list of messages "
              '{"role": str, "content": str}')
@@ -1527,22 +1528,24 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
         fail(f"--{flag} {dataset!r} holds no prompts")
     if [] in ids:
         fail(f"--{flag} {dataset!r}: {where(ids.index([]))} is empty after tokenization")
-    limit = args.max_prompt_length or (context and context - args.response_length)  # None: no limit
+    limit = args.max_prompt_length or (context and context - args.response_length)  # None: none
     over = [i for i, prompt in enumerate(ids) if limit and len(prompt) > limit]
     if over and args.overlong_prompts == "error":
         default = f" (context {context} minus --response_length {args.response_length})"
-        fail(f"--{flag} {dataset!r}: {where(over[0])} has {len(ids[over[0]])} tokens, the first of {len(over)} longer "
-             f"than --max_prompt_length {limit}{'' if args.max_prompt_length else default}; shorten them or pass "
+        fail(f"--{flag} {dataset!r}: {where(over[0])} has {len(ids[over[0]])} tokens, the first of "
+             f"{len(over)} longer than --max_prompt_length {limit}"
+             f"{'' if args.max_prompt_length else default}; shorten them or pass "
              "--overlong_prompts filter|truncate_left")
-    truncated = [i for i in over if args.overlong_prompts == "truncate_left" and messages[i] is None]  # chat: filtered
-    for i in truncated:  # the policy reads the last ids; reward models and functions the text of those ids
+    truncated = [i for i in over  # chat rows: filtered
+                 if args.overlong_prompts == "truncate_left" and messages[i] is None]
+    for i in truncated:  # the policy reads the last ids; the reward sources the text of those ids
         ids[i] = ids[i][-limit:]
         texts[i] = tokenizer.decode(ids[i])
     dropped = set(over) - set(truncated)
     kept = [i for i in range(len(ids)) if i not in dropped]
     if not kept:
-        fail(f"--{flag} {dataset!r}: all {len(ids)} prompts are longer than --max_prompt_length {limit}, and "
-             f"--overlong_prompts {args.overlong_prompts} leaves none")
+        fail(f"--{flag} {dataset!r}: all {len(ids)} prompts are longer than --max_prompt_length "
+             f"{limit}, and --overlong_prompts {args.overlong_prompts} leaves none")
     texts, ids, messages, rows = ([x[i] for i in kept] for x in (texts, ids, messages, rows))
     not_passed = "prompt completion completion_ids messages".split()  # TRL passes on the rest
     names = dict.fromkeys(k for row in rows for k in row if k not in not_passed)  # once each
@@ -1563,7 +1566,8 @@ def read_prompts(dataset, split, flag):
                 if not isinstance(row.get("prompt", row.get("messages")), (str, list)):
                     raise ValueError
             except (ValueError, AttributeError):
-                fail(f"--{flag} {dataset!r} line {n}: expected a JSON object with a `prompt` or `messages` field")
+                fail(f"--{flag} {dataset!r} line {n}: expected a JSON object with a `prompt` or "
+                     "`messages` field")
             rows.append(row)
         return rows, list(lines)
     if os.path.exists(dataset):
@@ -1577,9 +1581,10 @@ def read_prompts(dataset, split, flag):
 
 def render_prompts(rows, tokenizer):
     """Chat rows through the chat template -> texts, ids, messages (None: plain)."""
-    messages = [None if isinstance(r, str) else r[:-1] if r and r[-1].get("role") == "assistant" else r for r in rows]
-    texts = [r if m is None else tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-             for r, m in zip(rows, messages)]
+    messages = [None if isinstance(r, str) else r[:-1] if r[-1]["role"] == "assistant" else r
+                for r in rows]
+    texts = [r if m is None else tokenizer.apply_chat_template(
+        m, tokenize=False, add_generation_prompt=True) for r, m in zip(rows, messages)]
     ids = [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)]
     return texts, ids, messages
 
@@ -1587,15 +1592,13 @@ def render_prompts(rows, tokenizer):
 def load_reward_fn(spec):
     """`module:function` (the current folder first) or `file.py:function` -> it."""
     module, _, name = spec.rpartition(":")
-    if not (module and name):
-        fail(f"--reward_fn {spec!r}: expected module:function or file.py:function")
-    sys.path.insert(0, os.getcwd())  # sys.path[0] is the script's folder, not the current one
-    try:
-        with flag_errors(f"--reward_fn {spec!r} cannot be loaded"):
+    with flag_errors(f"--reward_fn {spec!r} (module:function or file.py:function) fails to load"):
+        sys.path.insert(0, os.getcwd())  # sys.path[0] is the script's folder, not the current one
+        try:
             namespace = (runpy.run_path(module) if module.endswith(".py")
                          else vars(importlib.import_module(module)))
-    finally:
-        sys.path.remove(os.getcwd())
+        finally:
+            sys.path.remove(os.getcwd())
     if not callable(namespace.get(name)):
         fail(f"--reward_fn {spec!r}: {module} has no function {name!r}")
     return namespace[name]
@@ -1632,42 +1635,43 @@ def reward_call(fn, spec, fields):
     return asked
 
 
-def text_scores(models, rm_scores, prompts, rows, completions, completion_ids, trainer_state, chunk, rt):
+def text_scores(models, rm_scores, prompts, rows, completions, responses, state, chunk, rt):
     """Every source's scores (B, S): reward models (text ones here), then functions."""
     with rt.no_grad(), rt.autocast():
-        for j, (reward_model, reward_tokenizer) in enumerate(models.reward_models):
-            if reward_tokenizer is not None:  # its own tokenizer: it reads the text
-                rm_scores[j] = torch.cat([score_texts(reward_model, reward_tokenizer, prompts, rows[i : i + chunk],
+        for j, (rm, tokenizer) in enumerate(models.reward_models):
+            if tokenizer is not None:  # its own tokenizer: it reads the text
+                rm_scores[j] = torch.cat([score_texts(rm, tokenizer, prompts, rows[i : i + chunk],
                                                       completions[i : i + chunk], rt.device)
-                                         for i in range(0, len(rows), chunk)])
+                                          for i in range(0, len(rows), chunk)])
     # a vote, as for a non-finite loss: a reward function that fails on one rank stops them all
-    fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, completion_ids, trainer_state)
+    fn_scores = agreed(reward_function_scores, models, prompts, rows, completions, responses, state)
     return torch.column_stack([*rm_scores, fn_scores.to(rt.device)])
 
 
 def reward_function_scores(models, prompts, rows, completions, completion_ids, trainer_state):
     """Each reward function's scores (B, F), NaN where it gave None."""
-    chat = [prompts.messages[r] is not None for r in rows]
-    given = dict(prompts=[prompts.messages[r] if c else prompts.texts[r] for r, c in zip(rows, chat)],
-                 completions=[[{"role": "assistant", "content": t}] if c else t for t, c in zip(completions, chat)],
+    chat = [prompts.messages[r] for r in rows]  # None: a plain prompt
+    given = dict(prompts=[prompts.texts[r] if m is None else m for r, m in zip(rows, chat)],
+                 completions=[t if m is None else [{"role": "assistant", "content": t}]
+                              for t, m in zip(completions, chat)],
                  completion_ids=completion_ids, trainer_state=trainer_state,
                  **{name: [values[r] for r in rows] for name, values in prompts.fields.items()})
-    columns = []
+    columns = [torch.zeros(len(rows), 0)]  # (B, F), F = 0 too
     for fn, spec, how in models.reward_fns:
         with flag_errors(f"--reward_fn {spec} failed"):  # the user's code: where it raised, too
             out = fn(**{k: v for k, v in given.items() if how is None or k in how})
             if inspect.isawaitable(out):  # an async def function
                 out = asyncio.run(out)
         columns.append(check_scores(out, len(rows), f"--reward_fn {spec}"))
-    return torch.column_stack([torch.zeros(len(rows), 0), *columns])  # (B, F), F = 0 too
+    return torch.column_stack(columns)
 
 
 def warn_unscored(scored, prompts, rows, models, update):
     """The rows no reward source scored (every function gave None), over all ranks: one warning
     naming their --dataset rows, or a stop (after update 1 with a checkpoint) if no row has one."""
-    mine = [prompts.origins[rows[i]] for i in (~scored).nonzero().flatten().tolist()]
+    mine = [prompts.origins[r] for r, s in zip(rows, scored.tolist()) if not s]
     gathered = all_ranks_objects((mine, scored.any().item()))
-    missed = [origin for rank_missed, _ in gathered for origin in rank_missed]
+    missed = [origin for rank_mine, _ in gathered for origin in rank_mine]
     functions = ", ".join(spec for _, spec, _ in models.reward_fns)
     if not any(any_scored for _, any_scored in gathered):  # every rank is here: save together
         fail(f"--reward_fn {functions}: no source scored any response of update {update + 1} (None "
@@ -1691,7 +1695,7 @@ def check_scores(scores, n, source):
                  "is a real number or None")
         if s is not None and not math.isfinite(s):
             fail(f"{source} returned a non-finite score ({float(s)}) for completion {i}")
-    return torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float32)
+    return torch.tensor([math.nan if s is None else float(s) for s in scores])  # default: float32
 
 
 def reward_text(reward_tokenizer, prompts, r, completion):
@@ -1702,18 +1706,18 @@ def reward_text(reward_tokenizer, prompts, r, completion):
     return prompts.texts[r] + completion
 
 
-def score_texts(reward_model, reward_tokenizer, prompts, rows, completions, device):
+def score_texts(model, tokenizer, prompts, rows, completions, device):
     """A reward model's scores (B,) from text in its own tokenizer."""
-    enc = reward_tokenizer([reward_text(reward_tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
-                           padding=True, return_tensors="pt",
-                           add_special_tokens=prompts.messages[rows[0]] is None).to(device)
-    check_context(f"--reward_model_path {reward_model.name_or_path!r}", reward_model.config,
-                  enc["input_ids"].shape[1], "prompt + response in its tokens", "lower --response_length")
+    enc = tokenizer([reward_text(tokenizer, prompts, r, c) for r, c in zip(rows, completions)],
+                    padding=True, return_tensors="pt",
+                    add_special_tokens=prompts.messages[rows[0]] is None).to(device)
     mask = enc["attention_mask"].bool()
-    if not hasattr(reward_model, "score"):
-        return reward_model(**enc).logits[:, 0].float()
+    check_context(f"--reward_model_path {model.name_or_path!r}", model.config, mask.shape[1],
+                  "prompt + response in its tokens", "lower --response_length")
+    if not hasattr(model, "score"):
+        return model(**enc).logits[:, 0].float()
     last = mask.cumsum(1).argmax(1, keepdim=True)  # the last real token: where the count peaks
-    return forward(reward_model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
+    return forward(model, enc["input_ids"], mask, mask.shape[1]).gather(1, last).squeeze(1)
 
 
 ADDITION_WORDS = "<pad> <eos> <unk> + =".split() + [str(i) for i in range(19)]  # its vocabulary
@@ -1722,9 +1726,9 @@ ADDITION_PARTIAL_CREDIT = 0.5
 
 def addition_reward(completion_ids, answer, **kwargs):
     """The built-in reward: 1 for the sum then EOS, partial for the sum alone, else 0."""
-    eos = ADDITION_WORDS.index("<eos>")
-    return [0.0 if ids[:1] != [ADDITION_WORDS.index(a)] else 1.0 if ids[1:] == [eos]
-            else ADDITION_PARTIAL_CREDIT for ids, a in zip(completion_ids, answer)]
+    return [0.0 if ids[:1] != [ADDITION_WORDS.index(a)] else
+            1.0 if ids[1:] == [ADDITION_WORDS.index("<eos>")] else ADDITION_PARTIAL_CREDIT
+            for ids, a in zip(completion_ids, answer)]
 
 
 def builtin_task(args):
@@ -1736,10 +1740,10 @@ def builtin_task(args):
         folder = tempfile.mkdtemp(prefix=f"ppo_rlhf_builtin_{os.getpid()}_")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         held_out = dataset == "builtin" and args.eval_dataset == "auto"
-        builtin_model, builtin_prompts, builtin_eval = build_addition_task(folder, args.seed, held_out)
-        model_path = builtin_model if model_path == "builtin" else model_path
+        model, prompts, evaluated = build_addition_task(folder, args.seed, held_out)
+        model_path = model if model_path == "builtin" else model_path
         if dataset == "builtin":
-            dataset, eval_dataset = builtin_prompts, builtin_eval or eval_dataset
+            dataset, eval_dataset = prompts, evaluated or eval_dataset
     return model_path, dataset, eval_dataset
 
 
@@ -1751,20 +1755,23 @@ def build_addition_task(folder, seed, held_out=True):
     words = ADDITION_WORDS
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    config = LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=16, tie_word_embeddings=True,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    tok.decoder = decoders.WordPiece(cleanup=False)  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                        unk_token="<unk>")
+    config = LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
+                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     torch.manual_seed(seed)
     model_dir = os.path.join(folder, "model")
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    sums = [json.dumps({"prompt": f"{a} + {b} =", "answer": str(a + b)}) + "\n" for a in range(10) for b in range(10)]
-    held_out_sums = torch.randperm(100, generator=torch.Generator().manual_seed(0))[:20].tolist()
-    evaluated = sorted(held_out_sums) if held_out else []
+    sums = [json.dumps({"prompt": f"{a} + {b} =", "answer": str(a + b)}) + "\n"
+            for a in range(10) for b in range(10)]
+    held = torch.randperm(100, generator=torch.Generator().manual_seed(0))[:20].tolist()
+    evaluated = sorted(held) if held_out else []
+    trained = [i for i in range(100) if i not in evaluated]
     files = []
-    for name, rows in (("prompts", [i for i in range(100) if i not in evaluated]), ("eval_prompts", evaluated)):
+    for name, rows in ("prompts", trained), ("eval_prompts", evaluated):
         files.append(os.path.join(folder, f"{name}.jsonl") if rows else None)
         if rows:
             with open(files[-1], "w") as f:
