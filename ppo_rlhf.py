@@ -945,7 +945,7 @@ def main(args: Args):
     return log.last
 
 
-# ====== Behind main (a first reading may stop here): checks, evaluation, models, data, systems ======
+# ====== Behind main (a first reading may stop here): checks, evaluation, models, systems ======
 # -------------------------------------------------- flags and inputs, checked before anything loads
 def fail(message):
     """Bad input: one line naming the flag to fix (no traceback); nothing written is touched."""
