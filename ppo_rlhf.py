@@ -266,8 +266,7 @@ def masked_whiten(x, mask, mean, var, shift_mean=True):
 
 def is_stop(tokens, stop_token_ids):
     """Which tokens are stop ids (a list of ints; none: no token is). Same shape as tokens."""
-    return torch.isin(tokens,
-                      torch.tensor(stop_token_ids, dtype=tokens.dtype, device=tokens.device))
+    return torch.isin(tokens, tokens.new_tensor(stop_token_ids))
 
 
 def response_lengths(responses, stop_token_ids):
@@ -426,9 +425,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, args):
     −σ(τ(ρ − 1))·(4/τ)·A with τ = τ+ where A > 0, else τ− (SAPO, Qwen). sequence: ρ is GSPO's
     s_i = exp(mean_t log ρ_t) of the response (response_mean), its gradient on every token.
     -> it (B, T); per token: ρ, approx KL (ρ − 1) − log ρ, clipped (cispo: capped), dual-clipped
-    (None: off), outside [1 − ε, 1 + ε_high]. args: importance_sampling_level, cliprange,
-    cliprange_high, policy_loss, cispo_max, sapo_temperature_pos, sapo_temperature_neg,
-    dual_clip."""
+    (None: off), outside [1 − ε, 1 + ε_high]. args: importance_sampling_level, cliprange, dual_clip,
+    cliprange_high, policy_loss, cispo_max, sapo_temperature_pos, sapo_temperature_neg."""
     log_ratio = logprobs - old_logprobs
     if args.importance_sampling_level == "sequence":  # the value log s_i, gradient ∇log π_θ(y_t)
         log_ratio = response_mean(log_ratio, mask).detach() + logprobs - logprobs.detach()
@@ -474,8 +472,7 @@ def rollout_weights(logprobs, sampler_logprobs, mask, mode, cap):
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value):
-    """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)] and the share of clipped tokens
-    (masked_mean)."""
+    """½·E[max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)], clipped share (masked_mean)"""
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), mask)
@@ -847,11 +844,10 @@ def main(args: Args):
     lr_scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, warmup, steps)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16: scaled
     log = Logger(args, output_dir, sizes, rt, inputs, models)
-    start_update, progress = resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt,
-                                    log, models)
+    saved = (model, optimizer, lr_scheduler, scaler, args, rt, models, log)  # checkpoint() saves
+    start_update, progress = resume(output_dir, *saved)
     kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
     last_update = start_update if args.export_checkpoint else sizes.num_updates
-    saved = (model, optimizer, lr_scheduler, scaler, args, rt, models, log)  # checkpoint() saves
     for update in range(start_update, last_update):
         log.start_update()  # the clock of its phases
         done = {**progress, "kl_coef": kl_coef}  # the loop's state after `update` updates
@@ -2216,7 +2212,7 @@ def check_checkpoint(path, args, stop_token_ids, world_size):
     return state
 
 
-def resume(args, output_dir, model, optimizer, lr_scheduler, scaler, rt, log, models):
+def resume(output_dir, model, optimizer, lr_scheduler, scaler, args, rt, models, log):
     """--resume: every rank restores the newest checkpoint that loads; logs are cut back to it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
