@@ -2385,24 +2385,24 @@ def ratio_stats(tokens, mask):
     if "off_policy_masked" in tokens:  # (b, 1): whole responses
         masked = tokens["off_policy_masked"][:, 0].to(ratio.dtype)
         stats["policy/off_policy_masked_frac"] = masked_mean(masked, mask.any(1))
-    return dict(stats, **{"val/ratio_var": masked_var(ratio, mask)})
+    stats["val/ratio_var"] = masked_var(ratio, mask)
+    return stats
 
 
 @torch.no_grad()
 def update_stats(stats, mb, entropy, losses, tokens):
     """Append a micro-batch's losses, entropy and ratio statistics to `stats`."""
     mask = mb["response_mask"]
-    entropy_avg = masked_mean(entropy, mask)
-    named = {**losses, **ratio_stats(tokens, mask), "policy/entropy_avg": entropy_avg}
-    for key, value in named.items():
-        stats[key].append(value.detach().float())
+    named = {**losses, **ratio_stats(tokens, mask), "policy/entropy_avg": masked_mean(entropy, mask)}
     if "age" in mb:  # replay: token counts of fresh and replayed tokens apart (replay_stats)
         fresh = mask & (mb["age"] == 0)[:, None]
-        replayed, clipped = mask & ~fresh, tokens["clipped"]
-        for key, x in {"fresh": fresh, "replayed": replayed, "clipped_replayed": clipped & replayed,
-                       **{f"{k}_fresh": torch.where(fresh, tokens[k], 0.0)
-                          for k in ("clipped", "outside", "ratio", "approxkl")}}.items():
-            stats[f"replay/{key}"].append(x.sum().float())
+        replayed = mask & ~fresh
+        named.update({"replay/fresh": fresh, "replay/replayed": replayed,
+                      "replay/clipped_replayed": tokens["clipped"] & replayed,
+                      **{f"replay/{k}_fresh": torch.where(fresh, tokens[k], 0.0)
+                         for k in ("clipped", "outside", "ratio", "approxkl")}})
+    for key, value in named.items():  # Σ: the counts; a scalar itself, made under no_grad: detached
+        stats[key].append(value.sum().float())
 
 
 def reward_model_spread(source_scores, num_reward_models):
@@ -2419,8 +2419,7 @@ def update_metrics(batch, trained, models, args, rt):
     """One update's metrics under TRL's names, over all ranks; token counts."""
     mask, kl, scores = batch["response_mask"], batch["kl"], batch["scores"]
     returns = batch["returns"]
-    scored = batch["scored"]  # scores: means over the rows a reward source scored (0 if none)
-    scored_mean = lambda x: x[scored].mean().nan_to_num()  # noqa: E731
+    scored_mean = lambda x: x[batch["scored"]].mean().nan_to_num()  # noqa: E731  rows scored; 0: none
     stats = dict(trained.stats)
     replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
     averaged = {"objective/entropy": (-batch["logprobs"]).sum(1).mean(),
@@ -2457,19 +2456,17 @@ def update_metrics(batch, trained, models, args, rt):
                          for name, x in zip(sources, source_scores.T)})
     if num_rms > 1:  # the reward models' disagreement, mean over responses
         averaged["objective/rm_spread"] = reward_model_spread(source_scores, num_rms).mean()
-    summed = {"val/num_eos_tokens": (~batch["truncated"]).sum(), "rollout": mask.sum(),
-              "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
+    counts = [(~batch["truncated"]).sum(), mask.sum(), batch["attention_mask"].sum(),
+              trained.train_tokens]  # EOS tokens, then tokens rolled out, scored, trained on
     values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device)
-              for v in [*averaged.values(), *summed.values()]]
-    values = all_ranks_sum(torch.stack(values)).tolist()  # one all-reduce: means, and counts
-    summed = dict(zip(summed, values[len(averaged):]))
-    averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}
-    averaged.update({"objective/kl_coef": batch["kl_coef"],
-                     "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
+              for v in [*averaged.values(), *counts]]
+    values = iter(all_ranks_sum(torch.stack(values)).tolist())  # one all-reduce: means, counts
+    averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}  # zip stops at averaged
+    averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": next(values)})
     if replay_sums:  # --replay_rounds: fresh tokens apart
         averaged.update(replay_stats(replay_sums, args.gradient_accumulation_steps),
                         **batch["replay_metrics"])
-    return averaged, summed
+    return averaged, dict(zip(("rollout", "score", "train"), values))
 
 
 def replay_stats(sums, micro_batches):
