@@ -2393,7 +2393,8 @@ def ratio_stats(tokens, mask):
 def update_stats(stats, mb, entropy, losses, tokens):
     """Append a micro-batch's losses, entropy and ratio statistics to `stats`."""
     mask = mb["response_mask"]
-    named = {**losses, **ratio_stats(tokens, mask), "policy/entropy_avg": masked_mean(entropy, mask)}
+    named = {**losses, **ratio_stats(tokens, mask),
+             "policy/entropy_avg": masked_mean(entropy, mask)}
     if "age" in mb:  # replay: token counts of fresh and replayed tokens apart (replay_stats)
         fresh = mask & (mb["age"] == 0)[:, None]
         replayed = mask & ~fresh
@@ -2416,10 +2417,10 @@ def explained_variance(residual_var, returns_var):
 
 
 def update_metrics(batch, trained, models, args, rt):
-    """One update's metrics under TRL's names, over all ranks; token counts."""
+    """One update's metrics (TRL's names, over all ranks); [tokens rolled out, scored, trained]."""
     mask, kl, scores = batch["response_mask"], batch["kl"], batch["scores"]
     returns = batch["returns"]
-    scored_mean = lambda x: x[batch["scored"]].mean().nan_to_num()  # noqa: E731  rows scored; 0: none
+    scored_mean = lambda x: x[batch["scored"]].mean().nan_to_num()  # noqa: E731  scored rows
     stats = dict(trained.stats)
     replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
     averaged = {"objective/entropy": (-batch["logprobs"]).sum(1).mean(),
@@ -2434,19 +2435,19 @@ def update_metrics(batch, trained, models, args, rt):
     if models.ref_policy is not None:  # --kl_coef 0 loads none
         averaged["objective/kl"] = kl.sum(1).mean()
     if models.value_model is not None:
-        variances = [global_mean_var(x, mask)[1] for x in (returns - batch["values"], returns)]
-        averaged["val/explained_variance"] = explained_variance(*variances)
+        averaged["val/explained_variance"] = explained_variance(
+            *[global_mean_var(x, mask)[1] for x in (returns - batch["values"], returns)])
     if args.num_generations > 1:  # groups with A = 0
-        equal = equal_score_groups(scores, args.num_generations)
-        averaged["objective/frac_reward_zero_std"] = equal.float().mean()
+        averaged["objective/frac_reward_zero_std"] = equal_score_groups(
+            scores, args.num_generations).float().mean()
     if stats:  # must be 1 and 0 (fresh tokens: replay_stats)
         averaged["policy/first_ratio"] = stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = stats["policy/approxkl_avg"][0]
     if rt.low_dtype:  # the sampler's μ against π_old as score() recomputes it: w = π_old/μ
         mu, old = batch["sampler_logprobs"], batch["logprobs"]
         averaged["rollout/mismatch_kl"] = masked_mean(kl_estimate(mu, old, "k3"), mask)  # KL(μ‖π)
-        outside = ((old - mu).exp() - 1).abs() > 0.1
-        averaged["rollout/mismatch_outside_frac"] = masked_mean(outside, mask)
+        averaged["rollout/mismatch_outside_frac"] = masked_mean(
+            ((old - mu).exp() - 1).abs() > 0.1, mask)
     if models.builtin_reward:  # the built-in task: the share of answers that score 1
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
     num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # RMs first
@@ -2466,20 +2467,19 @@ def update_metrics(batch, trained, models, args, rt):
     if replay_sums:  # --replay_rounds: fresh tokens apart
         averaged.update(replay_stats(replay_sums, args.gradient_accumulation_steps),
                         **batch["replay_metrics"])
-    return averaged, dict(zip(("rollout", "score", "train"), values))
+    return averaged, list(values)
 
 
 def replay_stats(sums, micro_batches):
     """Replay's clip shares of fresh and replayed tokens, first ratio and approx KL."""
-    keys = ("fresh", "replayed", "clipped_fresh", "clipped_replayed", "outside_fresh")
-    first = [sums[f"replay/{k}"][:micro_batches].sum()
-             for k in ("fresh", "ratio_fresh", "approxkl_fresh")]
-    x = [sums[f"replay/{k}"].sum() for k in keys] + first
+    keys = ("fresh", "replayed", "clipped_fresh", "clipped_replayed", "outside_fresh",
+            "ratio_fresh", "approxkl_fresh")  # Σ over the update, then its first minibatch
+    x = [sums[f"replay/{k}"][:n].sum() for n in (None, micro_batches) for k in keys]
     x = all_ranks_sum(torch.stack(x).double()).tolist()
     share = lambda a, b: x[a] / x[b] if x[b] else math.nan  # noqa: E731
     return {"replay/clipfrac_fresh": share(2, 0), "replay/clipfrac_replayed": share(3, 1),
-            "replay/outside_clip_fresh": share(4, 0), "policy/first_ratio": share(6, 5),
-            "policy/first_approxkl": share(7, 5)}
+            "replay/outside_clip_fresh": share(4, 0), "policy/first_ratio": share(12, 7),
+            "policy/first_approxkl": share(13, 7)}
 
 
 def health_hints(window, args, has_stop_token):
@@ -2517,14 +2517,13 @@ def changed_flags(args):
     default = Args()
     check_args(default)  # resolves as args were: --kl_estimator, --loss_agg
     words = []
-    for field in fields(args):
-        value = getattr(args, field.name)
-        if field.name in RUN_ONLY_FIELDS or value == getattr(default, field.name):
+    for name, value in vars(args).items():  # the fields, in their order
+        if name in RUN_ONLY_FIELDS or value == getattr(default, name):
             continue
         if isinstance(value, bool):
-            words.append(f"--{'' if value else 'no-'}{field.name}")
+            words.append(f"--{'' if value else 'no-'}{name}")
         else:
-            words += [f"--{field.name}", *map(str, value if isinstance(value, list) else [value])]
+            words += [f"--{name}", *map(str, value if isinstance(value, list) else [value])]
     return " ".join(words) or "(the defaults)"
 
 
@@ -2630,9 +2629,8 @@ class Logger:
             "update": update, "episode": update * self.sizes.batch_size, "lr": lr, **metrics,
             "eps": self.logged * self.sizes.batch_size / elapsed,
             "time/update_s": time.perf_counter() - self.start, **t,
-            "time/rollout_tokens_per_s": token_counts["rollout"] / t["time/generate_s"],
-            "time/score_tokens_per_s": token_counts["score"] / t["time/score_s"],
-            "time/train_tokens_per_s": token_counts["train"] / max(t["time/train_s"], 1e-9),
+            **{f"time/{name}_tokens_per_s": n / max(s, 1e-9)  # the laps: generate, score, train
+               for name, s, n in zip(("rollout", "score", "train"), t.values(), token_counts)},
             "memory/peak_mib": peak_memory}
         if self.rt.rank:  # rank 0 writes and prints
             return
