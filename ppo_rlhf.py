@@ -2418,14 +2418,14 @@ def explained_variance(residual_var, returns_var):
 
 def update_metrics(batch, trained, models, args, rt):
     """One update's metrics (TRL's names, over all ranks); [tokens rolled out, scored, trained]."""
-    mask, kl, scores = batch["response_mask"], batch["kl"], batch["scores"]
+    mask, kl, scores = batch["response_mask"], batch["kl"].sum(1), batch["scores"]  # kl: (B,)
     returns = batch["returns"]
     scored_mean = lambda x: x[batch["scored"]].mean().nan_to_num()  # noqa: E731  scored rows
     stats = dict(trained.stats)
     replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
     averaged = {"objective/entropy": (-batch["logprobs"]).sum(1).mean(),
                 "objective/non_score_reward": batch["penalties"].sum(1).mean(),  # as applied
-                "objective/rlhf_reward": scored_mean(scores - batch["kl_coef"] * kl.sum(1)),
+                "objective/rlhf_reward": scored_mean(scores - batch["kl_coef"] * kl),
                 "objective/scores": scored_mean(scores),
                 "objective/raw_scores": scored_mean(batch["raw_scores"]),
                 "val/mean_response_length": batch["lengths"].float().mean(),
@@ -2433,7 +2433,7 @@ def update_metrics(batch, trained, models, args, rt):
                 **{key: torch.stack(values).mean() for key, values in stats.items()},
                 "policy/epochs": trained.optimizer_steps / trained.steps_per_epoch}
     if models.ref_policy is not None:  # --kl_coef 0 loads none
-        averaged["objective/kl"] = kl.sum(1).mean()
+        averaged["objective/kl"] = kl.mean()
     if models.value_model is not None:
         averaged["val/explained_variance"] = explained_variance(
             *[global_mean_var(x, mask)[1] for x in (returns - batch["values"], returns)])
@@ -2457,10 +2457,9 @@ def update_metrics(batch, trained, models, args, rt):
                          for name, x in zip(sources, source_scores.T)})
     if num_rms > 1:  # the reward models' disagreement, mean over responses
         averaged["objective/rm_spread"] = reward_model_spread(source_scores, num_rms).mean()
-    counts = [(~batch["truncated"]).sum(), mask.sum(), batch["attention_mask"].sum(),
-              trained.train_tokens]  # EOS tokens, then tokens rolled out, scored, trained on
-    values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device)
-              for v in [*averaged.values(), *counts]]
+    values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device) for v in [
+        *averaged.values(), (~batch["truncated"]).sum(),  # the means; EOS tokens; the tokens
+        mask.sum(), batch["attention_mask"].sum(), trained.train_tokens]]  # of each phase
     values = iter(all_ranks_sum(torch.stack(values)).tolist())  # one all-reduce: means, counts
     averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}  # zip stops at averaged
     averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": next(values)})
@@ -2491,8 +2490,9 @@ def health_hints(window, args, has_stop_token):
         hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + "
                           "ε_high] in this update: the policy moves too far per update; lower "
                           "--learning_rate or --num_ppo_epochs (or set --target_kl)")
-    full = n >= max(args.health_window, 2)  # the other hints judge a full window of 2 or more
-    if full and "objective/kl" in last:  # the means of its older and newer halves
+    if n < max(args.health_window, 2):  # the other hints judge a full window of 2 or more
+        return hints
+    if "objective/kl" in last:  # the means of its older and newer halves
         kl_before, kl_now, score_before, score_now = (sum(m[key] for m in h) / len(h) for key in (
             "objective/kl", "objective/scores") for h in (window[: n // 2], window[n // 2 :]))
         if kl_now > 1.5 * kl_before and kl_now - kl_before > 0.1 and score_now <= score_before:
@@ -2502,7 +2502,7 @@ def health_hints(window, args, has_stop_token):
                            "gaining reward (or games it); raise --kl_coef or set "
                            "--adaptive_kl_target, and watch eval/score")
     truncated = [m["val/truncated_frac"] for m in window]
-    if full and has_stop_token and min(truncated) >= 0.9:
+    if has_stop_token and min(truncated) >= 0.9:
         hints["length"] = (f"{sum(truncated) / n:.0%} of the responses of the last {n} updates "
                            f"(>= 90% in each) were cut off at --response_length "
                            f"{args.response_length} before the stop token: raise "
@@ -2622,6 +2622,7 @@ class Logger:
     def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples):
         """One update into metrics.jsonl, its samples into samples.jsonl; its lines."""
         t, update, elapsed = self.laps, update + 1, time.time() - self.start_time
+        args = self.args
         self.logged += 1
         peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.rt.device.type == "cuda"
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # KiB
@@ -2649,21 +2650,21 @@ class Logger:
             f"train {t['time/train_s']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, "
             f"eta {hms(elapsed / self.logged * (self.sizes.num_updates - update))}")
         self.window.append(m)  # stays empty with --health_window 0
-        hints = self.window and health_hints(list(self.window), self.args, self.has_stop_token)
-        for name, hint in (hints or {}).items():
+        hints = health_hints(list(self.window), args, self.has_stop_token) if self.window else {}
+        for name, hint in hints.items():
             if update >= self.quiet_until.get(name, 0):  # at most once per window
-                self.quiet_until[name] = update + self.args.health_window
+                self.quiet_until[name] = update + args.health_window
                 say(f"hint: update {update}: {hint}", file=sys.stderr)
-        if self.args.num_sample_generations and update - 1 in self.evaluated:  # when it evaluates
+        if args.num_sample_generations and update - 1 in self.evaluated:  # when it evaluates
             shown = list(zip(rows, batch["completions"], batch["scores"].tolist()))
-            for r, c, s in shown[:: self.args.num_generations][:3]:  # one response per prompt
+            for r, c, s in shown[:: args.num_generations][:3]:  # one response per prompt
                 say(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
         if samples:  # evaluated
             success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
             spread = f"rm_spread {m['eval/rm_spread']:.3f}  " if "eval/rm_spread" in m else ""
             say(f"  eval {success}score {m['eval/score']:.3f}  kl {m.get('eval/kl', math.nan):.3f}"
                 f"  len {m['eval/response_length']:.1f}  {spread}"
-                f"(held-out, T = {self.args.eval_temperature:g})")
+                f"(held-out, T = {args.eval_temperature:g})")
         for s in samples[:3]:  # None: no reward source scored it
             score = "None" if s["score"] is None else f"{s['score']:.2f}"
             say(f"    {s['prompt']!r} -> {s['completion']!r}  score {score}")
