@@ -2383,8 +2383,8 @@ def ratio_stats(tokens, mask):
     stats = {names[k]: masked_mean(tokens[k].to(ratio.dtype), mask)
              for k in names if tokens[k] is not None}
     if "off_policy_masked" in tokens:  # (b, 1): whole responses
-        masked = tokens["off_policy_masked"][:, 0].to(ratio.dtype)
-        stats["policy/off_policy_masked_frac"] = masked_mean(masked, mask.any(1))
+        stats["policy/off_policy_masked_frac"] = masked_mean(
+            tokens["off_policy_masked"][:, 0].to(ratio.dtype), mask.any(1))
     stats["val/ratio_var"] = masked_var(ratio, mask)
     return stats
 
@@ -2421,8 +2421,7 @@ def update_metrics(batch, trained, models, args, rt):
     mask, kl, scores = batch["response_mask"], batch["kl"].sum(1), batch["scores"]  # kl: (B,)
     returns = batch["returns"]
     scored_mean = lambda x: x[batch["scored"]].mean().nan_to_num()  # noqa: E731  scored rows
-    stats = dict(trained.stats)
-    replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
+    stats = trained.stats  # replay's token counts apart (replay_stats)
     averaged = {"objective/entropy": (-batch["logprobs"]).sum(1).mean(),
                 "objective/non_score_reward": batch["penalties"].sum(1).mean(),  # as applied
                 "objective/rlhf_reward": scored_mean(scores - batch["kl_coef"] * kl),
@@ -2430,7 +2429,7 @@ def update_metrics(batch, trained, models, args, rt):
                 "objective/raw_scores": scored_mean(batch["raw_scores"]),
                 "val/mean_response_length": batch["lengths"].float().mean(),
                 "val/truncated_frac": batch["truncated"].float().mean(),
-                **{key: torch.stack(values).mean() for key, values in stats.items()},
+                **{k: torch.stack(v).mean() for k, v in stats.items() if "replay/" not in k},
                 "policy/epochs": trained.optimizer_steps / trained.steps_per_epoch}
     if models.ref_policy is not None:  # --kl_coef 0 loads none
         averaged["objective/kl"] = kl.mean()
@@ -2463,17 +2462,17 @@ def update_metrics(batch, trained, models, args, rt):
     values = iter(all_ranks_sum(torch.stack(values)).tolist())  # one all-reduce: means, counts
     averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}  # zip stops at averaged
     averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": next(values)})
-    if replay_sums:  # --replay_rounds: fresh tokens apart
-        averaged.update(replay_stats(replay_sums, args.gradient_accumulation_steps),
+    if "replay/fresh" in stats:  # --replay_rounds: fresh tokens apart
+        averaged.update(replay_stats(stats, args.gradient_accumulation_steps),
                         **batch["replay_metrics"])
     return averaged, list(values)
 
 
-def replay_stats(sums, micro_batches):
+def replay_stats(stats, micro_batches):
     """Replay's clip shares of fresh and replayed tokens, first ratio and approx KL."""
     keys = ("fresh", "replayed", "clipped_fresh", "clipped_replayed", "outside_fresh",
             "ratio_fresh", "approxkl_fresh")  # Σ over the update, then its first minibatch
-    x = [sums[f"replay/{k}"][:n].sum() for n in (None, micro_batches) for k in keys]
+    x = [torch.stack(stats[f"replay/{k}"][:n]).sum() for n in (None, micro_batches) for k in keys]
     x = all_ranks_sum(torch.stack(x).double()).tolist()
     share = lambda a, b: x[a] / x[b] if x[b] else math.nan  # noqa: E731
     return {"replay/clipfrac_fresh": share(2, 0), "replay/clipfrac_replayed": share(3, 1),
