@@ -2386,26 +2386,27 @@ def ratio_stats(tokens, mask):
     stats = {names[k]: masked_mean(tokens[k].to(ratio.dtype), mask)
              for k in names if tokens[k] is not None}
     if "off_policy_masked" in tokens:  # (b, 1): whole responses
-        masked = tokens["off_policy_masked"][:, 0].to(ratio.dtype)
-        stats["policy/off_policy_masked_frac"] = masked_mean(masked, mask.any(1))
-    return dict(stats, **{"val/ratio_var": masked_var(ratio, mask)})
+        stats["policy/off_policy_masked_frac"] = masked_mean(
+            tokens["off_policy_masked"][:, 0].to(ratio.dtype), mask.any(1))
+    stats["val/ratio_var"] = masked_var(ratio, mask)
+    return stats
 
 
 @torch.no_grad()
 def update_stats(stats, mb, entropy, losses, tokens):
     """Append a micro-batch's losses, entropy and ratio statistics to `stats`."""
     mask = mb["response_mask"]
-    entropy_avg = masked_mean(entropy, mask)
-    named = {**losses, **ratio_stats(tokens, mask), "policy/entropy_avg": entropy_avg}
-    for key, value in named.items():
-        stats[key].append(value.detach().float())
+    named = {**losses, **ratio_stats(tokens, mask),
+             "policy/entropy_avg": masked_mean(entropy, mask)}
     if "age" in mb:  # replay: token counts of fresh and replayed tokens apart (replay_stats)
         fresh = mask & (mb["age"] == 0)[:, None]
-        replayed, clipped = mask & ~fresh, tokens["clipped"]
-        for key, x in {"fresh": fresh, "replayed": replayed, "clipped_replayed": clipped & replayed,
-                       **{f"{k}_fresh": torch.where(fresh, tokens[k], 0.0)
-                          for k in ("clipped", "outside", "ratio", "approxkl")}}.items():
-            stats[f"replay/{key}"].append(x.sum().float())
+        replayed = mask & ~fresh
+        named.update({"replay/fresh": fresh, "replay/replayed": replayed,
+                      "replay/clipped_replayed": tokens["clipped"] & replayed,
+                      **{f"replay/{k}_fresh": torch.where(fresh, tokens[k], 0.0)
+                         for k in ("clipped", "outside", "ratio", "approxkl")}})
+    for key, value in named.items():  # Σ: the counts; a scalar itself, made under no_grad: detached
+        stats[key].append(value.sum().float())
 
 
 def reward_model_spread(source_scores, num_reward_models):
@@ -2419,38 +2420,36 @@ def explained_variance(residual_var, returns_var):
 
 
 def update_metrics(batch, trained, models, args, rt):
-    """One update's metrics under TRL's names, over all ranks; token counts."""
-    mask, kl, scores = batch["response_mask"], batch["kl"], batch["scores"]
+    """One update's metrics (TRL's names, over all ranks); [tokens rolled out, scored, trained]."""
+    mask, kl, scores = batch["response_mask"], batch["kl"].sum(1), batch["scores"]  # kl: (B,)
     returns = batch["returns"]
-    scored = batch["scored"]  # scores: means over the rows a reward source scored (0 if none)
-    scored_mean = lambda x: x[scored].mean().nan_to_num()  # noqa: E731
-    stats = dict(trained.stats)
-    replay_sums = {k: torch.stack(stats.pop(k)) for k in list(stats) if k.startswith("replay/")}
+    scored_mean = lambda x: x[batch["scored"]].mean().nan_to_num()  # noqa: E731  scored rows
+    stats = trained.stats  # replay's token counts apart (replay_stats)
     averaged = {"objective/entropy": (-batch["logprobs"]).sum(1).mean(),
                 "objective/non_score_reward": batch["penalties"].sum(1).mean(),  # as applied
-                "objective/rlhf_reward": scored_mean(scores - batch["kl_coef"] * kl.sum(1)),
+                "objective/rlhf_reward": scored_mean(scores - batch["kl_coef"] * kl),
                 "objective/scores": scored_mean(scores),
                 "objective/raw_scores": scored_mean(batch["raw_scores"]),
                 "val/mean_response_length": batch["lengths"].float().mean(),
                 "val/truncated_frac": batch["truncated"].float().mean(),
-                **{key: torch.stack(values).mean() for key, values in stats.items()},
+                **{k: torch.stack(v).mean() for k, v in stats.items() if "replay/" not in k},
                 "policy/epochs": trained.optimizer_steps / trained.steps_per_epoch}
     if models.ref_policy is not None:  # --kl_coef 0 loads none
-        averaged["objective/kl"] = kl.sum(1).mean()
+        averaged["objective/kl"] = kl.mean()
     if models.value_model is not None:
-        variances = [global_mean_var(x, mask)[1] for x in (returns - batch["values"], returns)]
-        averaged["val/explained_variance"] = explained_variance(*variances)
+        averaged["val/explained_variance"] = explained_variance(
+            *[global_mean_var(x, mask)[1] for x in (returns - batch["values"], returns)])
     if args.num_generations > 1:  # groups with A = 0
-        equal = equal_score_groups(scores, args.num_generations)
-        averaged["objective/frac_reward_zero_std"] = equal.float().mean()
+        averaged["objective/frac_reward_zero_std"] = equal_score_groups(
+            scores, args.num_generations).float().mean()
     if stats:  # must be 1 and 0 (fresh tokens: replay_stats)
         averaged["policy/first_ratio"] = stats["val/ratio"][0]
         averaged["policy/first_approxkl"] = stats["policy/approxkl_avg"][0]
     if rt.low_dtype:  # the sampler's μ against π_old as score() recomputes it: w = π_old/μ
         mu, old = batch["sampler_logprobs"], batch["logprobs"]
         averaged["rollout/mismatch_kl"] = masked_mean(kl_estimate(mu, old, "k3"), mask)  # KL(μ‖π)
-        outside = ((old - mu).exp() - 1).abs() > 0.1
-        averaged["rollout/mismatch_outside_frac"] = masked_mean(outside, mask)
+        averaged["rollout/mismatch_outside_frac"] = masked_mean(
+            ((old - mu).exp() - 1).abs() > 0.1, mask)
     if models.builtin_reward:  # the built-in task: the share of answers that score 1
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
     num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # RMs first
@@ -2460,32 +2459,28 @@ def update_metrics(batch, trained, models, args, rt):
                          for name, x in zip(sources, source_scores.T)})
     if num_rms > 1:  # the reward models' disagreement, mean over responses
         averaged["objective/rm_spread"] = reward_model_spread(source_scores, num_rms).mean()
-    summed = {"val/num_eos_tokens": (~batch["truncated"]).sum(), "rollout": mask.sum(),
-              "score": batch["attention_mask"].sum(), "train": trained.train_tokens}
-    values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device)
-              for v in [*averaged.values(), *summed.values()]]
-    values = all_ranks_sum(torch.stack(values)).tolist()  # one all-reduce: means, and counts
-    summed = dict(zip(summed, values[len(averaged):]))
-    averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}
-    averaged.update({"objective/kl_coef": batch["kl_coef"],
-                     "val/num_eos_tokens": summed.pop("val/num_eos_tokens")})
-    if replay_sums:  # --replay_rounds: fresh tokens apart
-        averaged.update(replay_stats(replay_sums, args.gradient_accumulation_steps),
+    values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device) for v in [
+        *averaged.values(), (~batch["truncated"]).sum(),  # the means; EOS tokens; the tokens
+        mask.sum(), batch["attention_mask"].sum(), trained.train_tokens]]  # of each phase
+    values = iter(all_ranks_sum(torch.stack(values)).tolist())  # one all-reduce: means, counts
+    averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}  # zip stops at averaged
+    averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": next(values)})
+    if "replay/fresh" in stats:  # --replay_rounds: fresh tokens apart
+        averaged.update(replay_stats(stats, args.gradient_accumulation_steps),
                         **batch["replay_metrics"])
-    return averaged, summed
+    return averaged, list(values)
 
 
-def replay_stats(sums, micro_batches):
+def replay_stats(stats, micro_batches):
     """Replay's clip shares of fresh and replayed tokens, first ratio and approx KL."""
-    keys = ("fresh", "replayed", "clipped_fresh", "clipped_replayed", "outside_fresh")
-    first = [sums[f"replay/{k}"][:micro_batches].sum()
-             for k in ("fresh", "ratio_fresh", "approxkl_fresh")]
-    x = [sums[f"replay/{k}"].sum() for k in keys] + first
+    keys = ("fresh", "replayed", "clipped_fresh", "clipped_replayed", "outside_fresh",
+            "ratio_fresh", "approxkl_fresh")  # Σ over the update, then its first minibatch
+    x = [torch.stack(stats[f"replay/{k}"][:n]).sum() for n in (None, micro_batches) for k in keys]
     x = all_ranks_sum(torch.stack(x).double()).tolist()
     share = lambda a, b: x[a] / x[b] if x[b] else math.nan  # noqa: E731
     return {"replay/clipfrac_fresh": share(2, 0), "replay/clipfrac_replayed": share(3, 1),
-            "replay/outside_clip_fresh": share(4, 0), "policy/first_ratio": share(6, 5),
-            "policy/first_approxkl": share(7, 5)}
+            "replay/outside_clip_fresh": share(4, 0), "policy/first_ratio": share(12, 7),
+            "policy/first_approxkl": share(13, 7)}
 
 
 def health_hints(window, args, has_stop_token):
@@ -2497,8 +2492,9 @@ def health_hints(window, args, has_stop_token):
         hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + "
                           "ε_high] in this update: the policy moves too far per update; lower "
                           "--learning_rate or --num_ppo_epochs (or set --target_kl)")
-    full = n >= max(args.health_window, 2)  # the other hints judge a full window of 2 or more
-    if full and "objective/kl" in last:  # the means of its older and newer halves
+    if n < max(args.health_window, 2):  # the other hints judge a full window of 2 or more
+        return hints
+    if "objective/kl" in last:  # the means of its older and newer halves
         kl_before, kl_now, score_before, score_now = (sum(m[key] for m in h) / len(h) for key in (
             "objective/kl", "objective/scores") for h in (window[: n // 2], window[n // 2 :]))
         if kl_now > 1.5 * kl_before and kl_now - kl_before > 0.1 and score_now <= score_before:
@@ -2508,7 +2504,7 @@ def health_hints(window, args, has_stop_token):
                            "gaining reward (or games it); raise --kl_coef or set "
                            "--adaptive_kl_target, and watch eval/score")
     truncated = [m["val/truncated_frac"] for m in window]
-    if full and has_stop_token and min(truncated) >= 0.9:
+    if has_stop_token and min(truncated) >= 0.9:
         hints["length"] = (f"{sum(truncated) / n:.0%} of the responses of the last {n} updates "
                            f"(>= 90% in each) were cut off at --response_length "
                            f"{args.response_length} before the stop token: raise "
@@ -2523,14 +2519,13 @@ def changed_flags(args):
     default = Args()
     check_args(default)  # resolves as args were: --kl_estimator, --loss_agg
     words = []
-    for field in fields(args):
-        value = getattr(args, field.name)
-        if field.name in RUN_ONLY_FIELDS or value == getattr(default, field.name):
+    for name, value in vars(args).items():  # the fields, in their order
+        if name in RUN_ONLY_FIELDS or value == getattr(default, name):
             continue
         if isinstance(value, bool):
-            words.append(f"--{'' if value else 'no-'}{field.name}")
+            words.append(f"--{'' if value else 'no-'}{name}")
         else:
-            words += [f"--{field.name}", *map(str, value if isinstance(value, list) else [value])]
+            words += [f"--{name}", *map(str, value if isinstance(value, list) else [value])]
     return " ".join(words) or "(the defaults)"
 
 
@@ -2629,6 +2624,7 @@ class Logger:
     def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples):
         """One update into metrics.jsonl, its samples into samples.jsonl; its lines."""
         t, update, elapsed = self.laps, update + 1, time.time() - self.start_time
+        args = self.args
         self.logged += 1
         peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.rt.device.type == "cuda"
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # KiB
@@ -2636,9 +2632,8 @@ class Logger:
             "update": update, "episode": update * self.sizes.batch_size, "lr": lr, **metrics,
             "eps": self.logged * self.sizes.batch_size / elapsed,
             "time/update_s": time.perf_counter() - self.start, **t,
-            "time/rollout_tokens_per_s": token_counts["rollout"] / t["time/generate_s"],
-            "time/score_tokens_per_s": token_counts["score"] / t["time/score_s"],
-            "time/train_tokens_per_s": token_counts["train"] / max(t["time/train_s"], 1e-9),
+            **{f"time/{name}_tokens_per_s": n / max(s, 1e-9)  # the laps: generate, score, train
+               for name, s, n in zip(("rollout", "score", "train"), t.values(), token_counts)},
             "memory/peak_mib": peak_memory}
         if self.rt.rank:  # rank 0 writes and prints
             return
@@ -2657,21 +2652,21 @@ class Logger:
             f"train {t['time/train_s']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, "
             f"eta {hms(elapsed / self.logged * (self.sizes.num_updates - update))}")
         self.window.append(m)  # stays empty with --health_window 0
-        hints = self.window and health_hints(list(self.window), self.args, self.has_stop_token)
-        for name, hint in (hints or {}).items():
+        hints = health_hints(list(self.window), args, self.has_stop_token) if self.window else {}
+        for name, hint in hints.items():
             if update >= self.quiet_until.get(name, 0):  # at most once per window
-                self.quiet_until[name] = update + self.args.health_window
+                self.quiet_until[name] = update + args.health_window
                 say(f"hint: update {update}: {hint}", file=sys.stderr)
-        if self.args.num_sample_generations and update - 1 in self.evaluated:  # when it evaluates
+        if args.num_sample_generations and update - 1 in self.evaluated:  # when it evaluates
             shown = list(zip(rows, batch["completions"], batch["scores"].tolist()))
-            for r, c, s in shown[:: self.args.num_generations][:3]:  # one response per prompt
+            for r, c, s in shown[:: args.num_generations][:3]:  # one response per prompt
                 say(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
         if samples:  # evaluated
             success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
             spread = f"rm_spread {m['eval/rm_spread']:.3f}  " if "eval/rm_spread" in m else ""
             say(f"  eval {success}score {m['eval/score']:.3f}  kl {m.get('eval/kl', math.nan):.3f}"
                 f"  len {m['eval/response_length']:.1f}  {spread}"
-                f"(held-out, T = {self.args.eval_temperature:g})")
+                f"(held-out, T = {args.eval_temperature:g})")
         for s in samples[:3]:  # None: no reward source scored it
             score = "None" if s["score"] is None else f"{s['score']:.2f}"
             say(f"    {s['prompt']!r} -> {s['completion']!r}  score {score}")

@@ -4359,7 +4359,7 @@ def test_replays_clip_shares_count_real_tokens_only():
     for rows in (slice(0, 3), slice(3, 6)):
         mb = dict(logprobs=old[rows], advantages=A[rows], response_mask=mask[rows], age=age[rows])
         P.update_stats(stats, mb, torch.zeros(3, 5), {}, P.policy_loss(new[rows], old[rows], A[rows], None, P.Args(cliprange_high=0.28))[1])
-    shares = P.replay_stats({k: torch.stack(v) for k, v in stats.items() if k.startswith("replay/")}, 2)
+    shares = P.replay_stats(stats, 2)
     ratio = (new - old).exp()
     clipped = ((A > 0) & (ratio > 1.28)) | ((A < 0) & (ratio < 0.8))
     fresh, replayed = mask & (age == 0)[:, None], mask & (age > 0)[:, None]
