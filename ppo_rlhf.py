@@ -573,9 +573,8 @@ def generate(policy, queries, query_mask, max_new_tokens, temperature, stop_toke
     """y_t ~ softmax(z_t / T) (T = 0: argmax) with a KV cache -> responses, log π_old(y_t|s_t)
     (B, L), pad and 0 after a stop id. sync_ranks: step until all ranks are done (FSDP)."""
     # exactly the policy we train (no top-k/top-p); T = 0 gets T = 1's log-probs; under no_grad
-    cache_in = "cache" in inspect.signature(backbone(policy).forward).parameters
-    keyword = "cache" if cache_in else "past_key_values"
-    cache = {keyword: transformers.DynamicCache(config=policy.config)}  # "cache": >= 5.24
+    new = "cache" in inspect.signature(backbone(policy).forward).parameters  # transformers >= 5.24
+    cache = {"cache" if new else "past_key_values": transformers.DynamicCache(config=policy.config)}
     ids, mask, positions = queries, query_mask, (query_mask.cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens, logprobs = [], []
@@ -853,8 +852,7 @@ def main(args: Args):
         done = {**progress, "kl_coef": kl_coef}  # the loop's state after `update` updates
         save = partial(checkpoint, output_dir, update, done, *saved, failing=True)  # a reward fails
         ON_FAILURE[:] = [save] if update else []
-        # each rank its own slice of the global batch and its own seed (ints hash to themselves):
-        # a resumed run continues exactly, with no RNG state to restore
+        # each rank's slice, seed from (seed, update, rank) (ints hash to themselves): exact resumes
         rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed, rt.rank,
                               rt.world_size)
         rows = rows.repeat_interleave(args.num_generations).tolist()  # a group: k rows
