@@ -3240,15 +3240,15 @@ def test_a_reward_function_that_fails_at_update_3_leaves_a_checkpoint_of_update_
     assert all(torch.equal(v, straight["policy"][k]) for k, v in weights["policy"].items())
 
 
-def cli_run(tiny, output_dir, *extra, cwd=None, stream=subprocess.PIPE):
+def cli_run(tiny, output_dir, *extra, cwd=None, stream=subprocess.PIPE, **popen):
     """The script on the tiny GPT-2 for 12 updates, a checkpoint after each; output_dir None: the default folder;
-    stream: where stdout and stderr go (a pipe each, or one file descriptor for both)."""
+    stream: where stdout and stderr go (a pipe each, or one file descriptor for both); popen: Popen's own."""
     cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1",
            "--dataset", tiny["prompts"], *(["--output_dir", output_dir] if output_dir else []), "--total_episodes",
            "96", "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
            "--response_length", "6", "--learning_rate", "1e-3", "--num_sample_generations", "0", "--save_every", "1",
            "--eval_dataset", tiny["txt"], *extra]
-    return subprocess.Popen(cmd, stdout=stream, stderr=stream, text=True, cwd=cwd,
+    return subprocess.Popen(cmd, stdout=stream, stderr=stream, text=True, cwd=cwd, **popen,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
 
 
@@ -3427,7 +3427,10 @@ def test_a_run_whose_output_is_gone_stops_saves_and_resumes_bit_identically(tiny
         reader = process.stdout
     else:  # stdout and stderr on a pseudo-terminal, whose master side the test holds
         master, slave = pty.openpty()
-        process = cli_run(tiny, stopped, "--save_every", "0", stream=slave)
+        # SIGHUP at its default, as a terminal's shell starts it: a suite run under nohup passes on
+        # SIG_IGN, which the script keeps (nohup's meaning), and the run would never stop
+        hup = lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)  # noqa: E731
+        process = cli_run(tiny, stopped, "--save_every", "0", stream=slave, preexec_fn=hup)
         os.close(slave)
         reader = open(master, errors="replace")
     for line in reader:  # the first update line: the run is under way
