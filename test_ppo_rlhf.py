@@ -1291,8 +1291,9 @@ def test_trls_prompt_of_messages_rows_are_chat_rows_as_messages_rows_are(tiny, t
     for path in files.values():
         with pytest.raises(SystemExit) as exc:
             P.load_prompts(str(path), P.Args(), plain, None)
-        assert str(exc.value).startswith(f"error: --dataset {str(path)!r}: its chat rows (`messages`, or a "
-                                         "`prompt` of messages) through the policy's chat template: ")
+        head = (f"error: --dataset {str(path)!r}: its chat rows (`messages`, or a `prompt` of "
+                "messages) through the policy's chat template: ")
+        assert str(exc.value).startswith(head)
         assert "chat_template is not set" in str(exc.value) and "\n" not in str(exc.value)
 
 
@@ -2792,7 +2793,8 @@ MUST_SAY = {"a tokenizer past the model's vocabulary": "gives prompt ids past th
             "a reward function of one parameter": "takes (x): give it (prompts, completions), or keywords",
             "a reward function of two unnamed parameters": "takes (p, c): give it (prompts, completions), or keywords",
             "no reward source for one's own prompts": "no reward for these prompts: give --reward_model_path or",
-            "a reward function whose arguments all have defaults": "takes (x=None), none of its arguments",
+            "a reward function whose arguments all have defaults":
+                "takes (x=None), none of its arguments",
             "a reward function needing a field the rows lack": "needs 'answer', which the rows of --dataset do not",
             "a reward function asking for TRL's log_metric": "asks for ['log_metric']",
             "a field named like a reward function's argument": "field named 'prompts'",
@@ -3242,7 +3244,8 @@ def test_a_reward_function_that_fails_at_update_3_leaves_a_checkpoint_of_update_
 
 def cli_run(tiny, output_dir, *extra, cwd=None, stream=subprocess.PIPE, **popen):
     """The script on the tiny GPT-2 for 12 updates, a checkpoint after each; output_dir None: the default folder;
-    stream: where stdout and stderr go (a pipe each, or one file descriptor for both); popen: Popen's own."""
+    stream: where stdout and stderr go (a pipe each, or one file descriptor for both);
+    popen: Popen's own arguments."""
     cmd = [sys.executable, SCRIPT, "--model_name_or_path", tiny["gpt2"], "--reward_fn", f"{__file__}:count_w1",
            "--dataset", tiny["prompts"], *(["--output_dir", output_dir] if output_dir else []), "--total_episodes",
            "96", "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
@@ -4313,7 +4316,7 @@ def replay_worker(rank, port, out_file):
     gen = torch.Generator().manual_seed(rank)
     scale = 1.0 + 2 * rank  # rank 1's rewards and π_prox/μ spread wider: one rank's statistics are not the batch's
     old, fresh = stored_batch(gen, 0, scale=scale), stored_batch(gen, 1, scale=scale)
-    P.recomputed = lambda models, b, args, rt: (b["prox"], b["values"])  # the models' forwards, stubbed
+    P.recomputed = lambda models, b, args, rt: (b["prox"], b["values"])  # forwards stubbed
     args = P.Args(replay_rounds=1, replay_correction="naive", response_length=5)
     models = SimpleNamespace(pad_token_id=0)
     batch = dict(fresh, sampler_logprobs=fresh["logprobs"])  # fp32: μ is π_old
