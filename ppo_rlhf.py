@@ -2460,13 +2460,14 @@ def update_metrics(batch, trained, models, args, rt):
     values = [torch.as_tensor(v, dtype=torch.float64, device=rt.device) for v in [
         *averaged.values(), (~batch["truncated"]).sum(),  # the means; EOS tokens; the tokens
         mask.sum(), batch["attention_mask"].sum(), trained.train_tokens]]  # of each phase
-    values = iter(all_ranks_sum(torch.stack(values)).tolist())  # one all-reduce: means, counts
-    averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}  # zip stops at averaged
-    averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": next(values)})
+    n = len(averaged)
+    values = all_ranks_sum(torch.stack(values)).tolist()  # one all-reduce: means, counts
+    averaged = {k: v / rt.world_size for k, v in zip(averaged, values)}
+    averaged.update({"objective/kl_coef": batch["kl_coef"], "val/num_eos_tokens": values[n]})
     if "replay/fresh" in stats:  # --replay_rounds: fresh tokens apart
         averaged.update(replay_stats(stats, args.gradient_accumulation_steps),
                         **batch["replay_metrics"])
-    return averaged, list(values)
+    return averaged, values[n + 1 :]
 
 
 def replay_stats(stats, micro_batches):
@@ -2475,10 +2476,13 @@ def replay_stats(stats, micro_batches):
             "ratio_fresh", "approxkl_fresh")  # Σ over the update, then its first minibatch
     x = [torch.stack(stats[f"replay/{k}"][:n]).sum() for n in (None, micro_batches) for k in keys]
     x = all_ranks_sum(torch.stack(x).double()).tolist()
-    share = lambda a, b: x[a] / x[b] if x[b] else math.nan  # noqa: E731
-    return {"replay/clipfrac_fresh": share(2, 0), "replay/clipfrac_replayed": share(3, 1),
-            "replay/outside_clip_fresh": share(4, 0), "policy/first_ratio": share(12, 7),
-            "policy/first_approxkl": share(13, 7)}
+    t, f = dict(zip(keys, x)), dict(zip(keys, x[len(keys) :]))  # the update, its first minibatch
+    share = lambda a, b: a / b if b else math.nan  # noqa: E731
+    return {"replay/clipfrac_fresh": share(t["clipped_fresh"], t["fresh"]),
+            "replay/clipfrac_replayed": share(t["clipped_replayed"], t["replayed"]),
+            "replay/outside_clip_fresh": share(t["outside_fresh"], t["fresh"]),
+            "policy/first_ratio": share(f["ratio_fresh"], f["fresh"]),
+            "policy/first_approxkl": share(f["approxkl_fresh"], f["fresh"])}
 
 
 def health_hints(window, args, has_stop_token):
