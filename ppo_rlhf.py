@@ -2634,8 +2634,8 @@ class Logger:
             "update": update, "episode": update * self.sizes.batch_size, "lr": lr, **metrics,
             "eps": self.logged * self.sizes.batch_size / elapsed,
             "time/update_s": time.perf_counter() - self.start, **t,
-            **{f"time/{name}_tokens_per_s": n / max(s, 1e-9)  # the laps: generate, score, train
-               for name, s, n in zip(("rollout", "score", "train"), t.values(), token_counts)},
+            **{f"time/{name}_tokens_per_s": n / max(t[f"time/{lap}_s"], 1e-9) for name, lap, n in
+               zip(("rollout", "score", "train"), ("generate", "score", "train"), token_counts)},
             "memory/peak_mib": peak_memory}
         if self.rt.rank:  # rank 0 writes and prints
             return
