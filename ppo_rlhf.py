@@ -46,7 +46,7 @@ import time
 import traceback
 import warnings
 from collections import defaultdict, deque
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from functools import partial
@@ -334,51 +334,34 @@ ESTIMATORS = {"gae": dict(grouped=False, whitened=True, learns_value=True),
 def baselined_scores(scores, lengths, num_generations, advantage_estimator):
     """s_i (B,) minus its group's baseline (k consecutive rows): rloo s_i − mean of the others; grpo
     (s_i − mean)/(std + 1e-4); dr_grpo, reinforce_pp_baseline s_i − mean; gae, reinforce_pp s_i.
-    lengths (B,): the response lengths, for a baseline that weighs them."""
+    NaN (no source scored it) stays out of its group's statistics (TRL's nanmean, nanstd); a group
+    of fewer than 2 scored rows gets NaN. lengths (B,): for a baseline that weighs them."""
     if advantage_estimator in ("gae", "reinforce_pp"):
         return scores
     groups = scores.view(-1, num_generations)  # (B/k, k)
+    scored = groups.isfinite()
+    n = scored.sum(1, keepdim=True)  # scored rows per group
+    total = groups.nansum(1, keepdim=True)
+    mean = torch.where(n >= 2, total / n, math.nan)
     if advantage_estimator == "rloo":
-        return (groups - (groups.sum(1, keepdim=True) - groups) / (num_generations - 1)).flatten()
-    centered = groups - groups.mean(1, keepdim=True)
-    if advantage_estimator == "grpo":
-        return (centered / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+        return (groups - (total - groups) / (n - 1)).flatten()  # n = 1: 0/0
+    centered = groups - mean
+    if advantage_estimator == "grpo":  # the std of the scored rows (n = k: torch's own)
+        spread = groups.where(scored, mean).std(1, keepdim=True)  # Σ over k rows, / (k − 1)
+        std = spread * ((num_generations - 1) / (n - 1)).sqrt()
+        return (centered / (std + 1e-4)).flatten()
     if advantage_estimator in ("dr_grpo", "reinforce_pp_baseline"):
         return centered.flatten()
     raise ValueError(f"baselined_scores: no branch for --advantage_estimator {advantage_estimator}")
 
 
-def baseline_rows(scored, num_generations, advantage_estimator):
-    """Rows that keep a baseline: the scored ones (B,), in a group of 2 or more scored rows where
-    the estimator is grouped (ESTIMATORS); the others leave the loss."""
-    if not ESTIMATORS[advantage_estimator]["grouped"]:
-        return scored
-    groups = scored.view(-1, num_generations)  # (B/k, k)
-    return (groups & (groups.sum(1, keepdim=True) >= 2)).flatten()
-
-
-def scored_baselines(scores, scored, lengths, num_generations, advantage_estimator):
-    """baselined_scores with the rows no reward source scored left out of their group's baseline
-    and std (as TRL): a group's scored rows are baselined alone; rows that keep no baseline
-    (baseline_rows) get 0. A group with no unscored row: baselined_scores' own operations. (B,)."""
-    baselined = baselined_scores(scores, lengths, num_generations, advantage_estimator)
-    kept = baseline_rows(scored, num_generations, advantage_estimator)
-    k = num_generations
-    for g in (~kept).view(-1, k).any(1).nonzero().flatten().tolist():  # a group that lost rows
-        rows = torch.arange(g * k, g * k + k, device=scores.device)
-        baselined[rows] = 0.0
-        rows = rows[kept[rows]]
-        if len(rows):
-            baselined[rows] = baselined_scores(scores[rows], lengths[rows], len(rows),
-                                               advantage_estimator)
-    return baselined
-
-
 def equal_score_groups(scores, num_generations):
-    """Groups (k consecutive rows) whose scores all equal, so A = 0 for all: (B,) -> (B/k,). Not
-    std == 0: float32's std of eight 0.1 is 8e-9."""
+    """Groups (k consecutive rows) whose 2 or more scored rows (NaN: unscored) score alike, compared
+    exactly as TRL's is_std_zero (float32's std of eight 0.1 is 8e-9): no signal. (B,) -> (B/k,)."""
     groups = scores.view(-1, num_generations)
-    return (groups == groups[:, :1]).all(1)
+    scored = groups.isfinite()
+    low, high = groups.where(scored, math.inf).amin(1), groups.where(scored, -math.inf).amax(1)
+    return (low == high) & (scored.sum(1) >= 2)
 
 
 def per_token_rewards(scores, penalties, response_mask):
@@ -679,22 +662,22 @@ def score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=Fal
 
 
 # ----------------------------------------------------------------------------------- the PPO update
-def advantages_and_returns(scores, scored, kl, kl_coef, values, mask, loss_mask, args):
-    """Phase 4, where every advantage-level term lives (replay_batch calls it on stored rows): the
-    KL penalty p_t = −β·KL_t where --kl_in puts it; r_t = p_t, plus the score minus its group's
-    baseline (over its scored rows) on the last real token; A_t, R_t = A_t + V_t by GAE (value-
-    free: V = 0, λ = 1, the reward-to-go), whitened with the global statistics of the tokens in the
-    loss where the estimator is. (B,), (B, R) -> p, r, A, R (B, R); β a float or (B, 1)."""
+def advantages_and_returns(scores, kl, kl_coef, values, mask, loss_mask, args):
+    """Phase 4, run once per update (replay trains on what it made): p_t, every per-token term but
+    the score (−β·KL_t where --kl_in puts it); r_t = p_t, plus the score minus its group's baseline
+    on the last real token; A_t, R_t = A_t + V_t by GAE (value-free: V = 0, λ = 1, the reward-to-
+    go), whitened with the global statistics of the tokens in the loss where the estimator is; the
+    loss mask less the rows with no baseline (NaN). (B,), (B, R) -> those, (B, R); β a float."""
     if args.kl_in == "reward":
         penalties = torch.where(mask, -kl_coef * kl, 0.0)
     elif args.kl_in == "loss":  # ppo_loss's term, with a gradient through π_θ
         penalties = torch.zeros_like(kl)
     else:
         raise ValueError(f"advantages_and_returns: no branch for --kl_in {args.kl_in!r}")
-    lengths = mask.sum(-1)
-    baselined = scored_baselines(scores, scored, lengths, args.num_generations,
+    baselined = baselined_scores(scores, mask.sum(-1), args.num_generations,
                                  args.advantage_estimator)
-    rewards = per_token_rewards(baselined, penalties, mask)  # (B, R)
+    loss_mask = loss_mask & baselined.isfinite()[:, None]  # NaN: no score, or no group to compare
+    rewards = per_token_rewards(baselined.nan_to_num(), penalties, mask)  # (B, R)
     if args.whiten_rewards:  # over all ranks, mean kept
         rewards = masked_whiten(rewards, mask, *global_mean_var(rewards, mask), shift_mean=False)
     estimator = ESTIMATORS[args.advantage_estimator]
@@ -702,7 +685,8 @@ def advantages_and_returns(scores, scored, kl, kl_coef, values, mask, loss_mask,
     advantages, returns = gae(rewards, values, mask, args.gamma, lam)
     if estimator["whitened"]:
         advantages = masked_whiten(advantages, mask, *global_mean_var(advantages, loss_mask))
-    return penalties, rewards, advantages, returns
+    return dict(penalties=penalties, rewards=rewards, advantages=advantages, returns=returns,
+                loss_mask=loss_mask)
 
 
 MICRO_BATCH_KEYS = ("logprobs", "ref_logprobs", "values", "advantages", "returns", "weights",
@@ -880,6 +864,7 @@ def main(args: Args):
             progress["score_moments"], std = running_moments(progress["score_moments"], mean.item(),
                                                              var.item(), sizes.batch_size)
         scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # as the flags say
+        scores = scores.where(scored, math.nan)  # NaN: no reward source scored it
         if args.rollout_correction != "none":  # w = π_old/μ: the sampler's mismatch (bf16/fp16)
             batch["weights"] = rollout_weights(batch["logprobs"], batch["sampler_logprobs"], mask,
                                                args.rollout_correction, args.rollout_correction_cap)
@@ -892,17 +877,14 @@ def main(args: Args):
         # 4. rewards and advantages: r_t = −β·KL_t (unless the KL is a loss term), plus the score
         # (minus its group's baseline, value-free) on the last real token; GAE, whitened over the
         # tokens in the loss (value-free: the reward-to-go)
-        baselined = baseline_rows(scored, args.num_generations, args.advantage_estimator)  # (B,)
-        loss_mask = mask & baselined[:, None]  # a row no reward source scored: out
+        loss_mask = mask  # phase 4 leaves out the rows with no baseline (no score)
         if args.mask_truncated_completions:
             loss_mask = loss_mask & ~batch["truncated"][:, None]
-        if args.filter_zero_std_groups:  # equal scores: A = 0, yet it dilutes the mean
+        if args.filter_zero_std_groups:  # scores that carry no signal (DAPO), yet fill the mean
             equal = equal_score_groups(scores, args.num_generations)
             loss_mask = loss_mask & ~equal.repeat_interleave(args.num_generations)[:, None]
-        penalties, rewards, advantages, returns = advantages_and_returns(
-            scores, scored, kl, kl_coef, batch["values"], mask, loss_mask, args)
-        batch.update(scores=scores, kl=kl, penalties=penalties, rewards=rewards,
-                     advantages=advantages, returns=returns, kl_coef=kl_coef, loss_mask=loss_mask)
+        batch.update(scores=scores, kl=kl, kl_coef=kl_coef, **advantages_and_returns(
+            scores, kl, kl_coef, batch["values"], mask, loss_mask, args))
 
         # 5. PPO epochs: num_ppo_epochs passes over the batch, one optimizer step per minibatch
         ON_FAILURE.clear()  # the weights move: no longer the last update's
@@ -948,10 +930,14 @@ def fail(message):
 
 @contextmanager
 def flag_errors(what):
-    """Around a library call: its exception fails as one line, `error: {what}: {the exception}`."""
+    """Around a library's or the user's call: its exception fails as one line, `error: {what}: {the
+    exception}`; one from a function of this file below the block (a bug) keeps its traceback."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 (the library's own words say what is wrong)
+        frames = traceback.extract_tb(e.__traceback__)[2:]  # below this and the block's own frame
+        if any(f.filename == __file__ and not f.name.startswith("<") for f in frames):
+            raise
         fail(f"{what}: {one_line(e)}")
 
 
@@ -981,6 +967,9 @@ FLAG_RANGES = {
                                                 "stop_token_id"),
     "a finite number (or unset)": (lambda v: True, "missing_eos_penalty entropy_coef length_penalty"
                                    " overlong_penalty off_policy_mask_threshold"),
+    "finite numbers (or unset)": (lambda v: v is None or all(map(math.isfinite, v)),
+                                  "reward_weights"),
+    "any integer": (lambda v: True, "seed"),
 }
 # What check_args refuses of flags together: {the error: when}; ranges are checked first.
 FLAG_CONFLICTS = {
@@ -1036,7 +1025,9 @@ def derive_sizes(args, world_size):
 
 
 def check_args(args):
-    """Every check that needs only the flags (and torchrun's WORLD_SIZE). -> the derived sizes."""
+    """Every check that needs only the flags (and torchrun's WORLD_SIZE). -> the derived sizes, and
+    the flags as given (changed_flags, before a default resolves)."""
+    given = changed_flags(args)
     if isinstance(args.stop_token_id, int):  # from Python, Args(stop_token_id=5): a list of one
         args.stop_token_id = [args.stop_token_id]
     args.kl_estimator = args.kl_estimator or ("k3" if args.kl_in == "loss" else "k1")  # as in TRL
@@ -1059,12 +1050,9 @@ def check_args(args):
         if "list" in str(field.type) and isinstance(getattr(args, field.name), str):
             fail(f"--{field.name} takes a list: {field.name}=[{getattr(args, field.name)!r}]")
     num_sources = len(args.reward_model_path or []) + len(args.reward_fn or []) or 1  # 0: built-in
-    if args.reward_weights is not None:
-        if len(args.reward_weights) != num_sources:
-            fail(f"--reward_weights {args.reward_weights} does not give one weight per reward "
-                 f"source ({num_sources}: the reward models, then the reward functions)")
-        if not all(map(math.isfinite, args.reward_weights)):
-            fail(f"--reward_weights {args.reward_weights}: every weight must be a finite number")
+    if args.reward_weights is not None and len(args.reward_weights) != num_sources:
+        fail(f"--reward_weights {args.reward_weights} does not give one weight per reward source "
+             f"({num_sources}: the reward models, then the reward functions)")
     sizes = derive_sizes(args, int(os.environ.get("WORLD_SIZE", 1)))
     for flag in ("num_mini_batches", "num_generations"):
         if sizes.local_batch_size % getattr(args, flag):
@@ -1093,6 +1081,7 @@ def check_args(args):
     if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
         fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards "
              "only; use --dtype bf16")
+    sizes.flags = given
     return sizes
 
 
@@ -1121,7 +1110,8 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     configs = check_configs(args, model_path)
     base_model = adapter_base(model_path) or model_path  # an adapter's base, else the model itself
     policy_config = configs[base_model]
-    own_tokenizer = os.path.isfile(os.path.join(model_path, "tokenizer_config.json"))
+    own_tokenizer = os.path.isfile(os.path.join(os.path.expanduser(model_path),
+                                                "tokenizer_config.json"))
     tokenizer = from_pretrained(AutoTokenizer, model_path if own_tokenizer else base_model,
                                 "model_name_or_path", args)
     stop_token_ids = resolve_stop_token_ids(args, tokenizer, base_model, policy_config)
@@ -1130,8 +1120,11 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     if outside:
         fail(f"--stop_token_id {outside}: not in the policy's vocabulary [0, {vocab_size})")
     for path in resume_candidates(args, output_dir)[:1]:  # resume()'s first; auto skips damaged
-        with suppress(*DAMAGED) if args.resume == "auto" else flag_errors(f"--resume {path!r}"):
+        try:
             check_checkpoint(path, args, stop_token_ids, int(os.environ.get("WORLD_SIZE", 1)))
+        except DAMAGED as e:  # a checkpoint that cannot be read
+            if args.resume != "auto":
+                fail(f"--resume {path!r}: {one_line(e)}")
     if not stop_token_ids and int(os.environ.get("RANK", 0)) == 0:
         say("note: no stop id (--stop_token, --stop_token_id, the tokenizer, generation_config): "
             f"every response runs to --response_length {args.response_length}")
@@ -1279,8 +1272,6 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
     scored = score(models, batch, prompts, rows, args, rt, trainer_state, scores_only=True)
     scores, num_rms = scored["raw_scores"], len(models.reward_models)
     metrics = {"eval/score": scores, "eval/response_length": batch["lengths"]}  # (B,) each
-    if models.ref_policy is not None:  # greedy (--eval_temperature 0): a diagnostic, no unbiased KL
-        metrics["eval/kl"] = recomputed(models, batch, args, rt, kl=True)[1].sum(1)  # Σ_t KL_t
     if models.builtin_reward:
         metrics["eval/success_rate"] = scores == 1
     if num_rms > 1:  # as objective/rm_spread
@@ -1297,39 +1288,19 @@ def evaluate(models, prompts, update, args, rt, trainer_state):
     return means, samples
 
 
-def recomputed(models, b, args, rt, kl=False):
-    """log π(y_t|s_t) at --temperature and V(s_t), or (kl) KL_t (--kl_estimator) to π_ref, of a
-    batch's rows with the models of now: (2, B, R), 0 at padding."""
-    c, pad = b["context_length"], ~b["response_mask"]
-    out = torch.zeros(2, *pad.shape, device=pad.device)
-    with rt.no_grad(), rt.autocast():
-        for rows, L, ids, ids_mask in response_chunks(b, args.local_rollout_forward_batch_size):
-            logprobs = response_logprobs(models.policy, ids, ids_mask, c, args.temperature,
-                                         models.policy_head)[0]
-            out[0, rows, :L] = logprobs
-            if kl:
-                with models.reference():
-                    ref_logprobs = response_logprobs(models.ref_policy, ids, ids_mask, c,
-                                                     args.temperature, models.ref_head)[0]
-                out[1, rows, :L] = kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
-            elif models.value_model is not None:
-                out[1, rows, :L] = state_values(models.value_model, ids, ids_mask, c)
-    return out.masked_fill(pad, 0.0)
-
-
 # ----------------------------------------------------- replay: off-policy updates (--replay_rounds)
-# What a batch keeps, fixed when it was sampled: μ = its log π_old (logprobs), log π_ref, its
-# scores and KL_t, its β. Per rank N·B·(9·P + 23·R) bytes for N batches of B rows of P + R tokens
-# (ids int64, masks bool, 3 float32 rows): no logits.
+# What a batch keeps, fixed when it was sampled: its rows, μ (the sampler's log-probs), log π_ref,
+# and what phase 4 made of them (A, R, the loss mask), which replay trains on as they are. Per rank
+# N·B·(9·P + 27·R) bytes for N batches of B rows of P + R tokens (ids int64, masks bool, 4 float32
+# rows): no logits.
 REPLAY_KEYS = ("query_responses", "attention_mask", "response_mask", "loss_mask", "lengths",
-               "logprobs", "ref_logprobs", "scores", "scored", "kl")
+               "sampler_logprobs", "ref_logprobs", "advantages", "returns")
 
 
 def replay_batch(progress, batch, update, models, args, rt):
-    """This update's rows: the fresh batch and the last N (π_prox, V, phase 4 of now), one width;
-    with decoupled replay their weights on L_clip (rollout_weights)."""
-    fresh = dict({k: batch[k] for k in (*REPLAY_KEYS, "context_length")}, update=update,
-                 kl_coef=batch["kl_coef"], logprobs=batch["sampler_logprobs"])  # μ: the sampler's
+    """This update's rows: the fresh batch and the last N, as phase 4 left them, at one width, with
+    π_prox and V of now (the decoupled ratio's denominator and weights, the value clip's centre)."""
+    fresh = dict({k: batch[k] for k in (*REPLAY_KEYS, "context_length")}, update=update)
     old = progress["replay"]
     progress["replay"] = [*old, fresh][-args.replay_rounds:]
     parts = [dict(fresh, prox=batch["logprobs"], values=batch["values"])]  # π_prox = π_old
@@ -1346,12 +1317,9 @@ def replay_batch(progress, batch, update, models, args, rt):
         return F.pad(b[k], (left, right), value=value) if b[k].dim() == 2 else b[k]  # (B,) as it is
     train = {k: torch.cat([padded(b, k) for b in parts]) for k in (*REPLAY_KEYS, "prox", "values")}
     age = torch.cat([torch.full_like(b["lengths"], update - b["update"]) for b in parts])  # (ΣB,)
-    betas = torch.cat([torch.full_like(b["scores"], b["kl_coef"]) for b in parts])  # each batch's β
     train.update(context_length=P, kl_coef=batch["kl_coef"], age=age)
-    mask, age, prox, mu = train["response_mask"], age[:, None], train["prox"], train["logprobs"]
-    _, _, train["advantages"], train["returns"] = advantages_and_returns(
-        train["scores"], train["scored"], train["kl"], betas[:, None], train["values"], mask,
-        train["loss_mask"], args)
+    mask, age, prox = train["response_mask"], age[:, None], train["prox"]
+    mu = train["sampler_logprobs"]
     # how stale the rows are (k3: KL(μ‖π_prox); π_prox/μ before the cap, the share above it), each
     # Σ x·m / Σ m over all ranks (0 / 0: NaN)
     k3, weight, replayed = kl_estimate(mu, prox, "k3"), (prox - mu).exp(), mask & (age > 0)
@@ -1366,12 +1334,26 @@ def replay_batch(progress, batch, update, models, args, rt):
     weight_max = max(all_ranks_objects(torch.where(replayed, weight, -math.inf).max().item()))
     batch["replay_metrics"] = {**dict(zip(ratios, (sums[::2] / sums[1::2]).tolist())),
                                "replay/weight_max": weight_max}
-    train["sampler_logprobs"] = mu  # (--off_policy_mask_threshold)
+    train["logprobs"] = mu  # the ratio's denominator; naive: μ
     # decoupled: clip around π_prox (Hilton et al. 2021), weight π_prox/μ, 0 above c as AReaL
     if args.replay_correction == "decoupled":
         train["weights"] = rollout_weights(prox, mu, mask, "token_mask", cap)
-        train["logprobs"] = prox  # the ratio's denominator
+        train["logprobs"] = prox
     return train
+
+
+def recomputed(models, b, args, rt):
+    """log π(y_t|s_t) at --temperature and V(s_t) (0 without V) of a batch's rows with the models
+    of now: (2, B, R), 0 at padding."""
+    c, pad = b["context_length"], ~b["response_mask"]
+    out = torch.zeros(2, *pad.shape, device=pad.device)
+    with rt.no_grad(), rt.autocast():
+        for rows, L, ids, ids_mask in response_chunks(b, args.local_rollout_forward_batch_size):
+            out[0, rows, :L] = response_logprobs(models.policy, ids, ids_mask, c, args.temperature,
+                                                 models.policy_head)[0]
+            if models.value_model is not None:
+                out[1, rows, :L] = state_values(models.value_model, ids, ids_mask, c)
+    return out.masked_fill(pad, 0.0)
 
 
 # ------------------------------------------------------------------------- models, data and rewards
@@ -1380,7 +1362,8 @@ def from_pretrained(cls, path, flag, args, **kwargs):
     # a local folder that is not there (transformers would say "Repo id must be in the form ...")
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
         fail(f"--{flag} {path!r}: no such folder (give a model folder or hub name like org/model)")
-    with flag_errors(f"--{flag} {path!r} could not be loaded"):
+    with flag_errors(f"--{flag} {path!r} could not be loaded"):  # transformers reads no `~`
+        path = os.path.expanduser(path)
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
 
 
@@ -1392,8 +1375,9 @@ def load_pretrained(cls, path, flag, args, dtype=torch.float32, new_head=False, 
     if base:  # an adapter checkpoint (peft): its base model with the adapter merged in
         model = load_pretrained(cls, base, flag, args, dtype, new_head, **kwargs)
         import peft  # check_configs found it
-        with flag_errors(f"--{flag} {path!r} could not be loaded"):
-            return quietly(peft.PeftModel.from_pretrained, model, path).merge_and_unload()
+        with flag_errors(f"--{flag} {path!r} could not be loaded"), quietly():
+            path = os.path.expanduser(path)
+            return peft.PeftModel.from_pretrained(model, path).merge_and_unload()
     config = from_pretrained(AutoConfig, path, flag, args, **kwargs)
     for key, value in config.to_dict().items():
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
@@ -1515,9 +1499,7 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
     if bad:  # else transformers' chat template fails on it, naming no row
         fail(f"--{flag} {dataset!r}: {where(bad[0])} is not a text or a non-empty list of messages "
              '{"role": str, "content": str}')
-    with flag_errors(f"--{flag} {dataset!r}: its chat rows (`messages`, or a `prompt` of messages) "
-                     "through the policy's chat template"):
-        texts, ids, messages = render_prompts(prompts, tokenizer)
+    texts, ids, messages = render_prompts(prompts, tokenizer, f"--{flag} {dataset!r}")
     if not texts:
         fail(f"--{flag} {dataset!r} holds no prompts")
     if [] in ids:
@@ -1573,12 +1555,14 @@ def read_prompts(dataset, split, flag):
     return list(data), None
 
 
-def render_prompts(rows, tokenizer):
+def render_prompts(rows, tokenizer, flag):
     """Chat rows through the chat template -> texts, ids, messages (None: plain)."""
     messages = [None if isinstance(r, str) else r[:-1] if r[-1]["role"] == "assistant" else r
                 for r in rows]
-    texts = [r if m is None else tokenizer.apply_chat_template(
-        m, tokenize=False, add_generation_prompt=True) for r, m in zip(rows, messages)]
+    with flag_errors(f"{flag}: its chat rows (`messages`, or a `prompt` of messages) through the "
+                     "policy's chat template"):
+        texts = [r if m is None else tokenizer.apply_chat_template(
+            m, tokenize=False, add_generation_prompt=True) for r, m in zip(rows, messages)]
     ids = [tokenizer(t, add_special_tokens=m is None)["input_ids"] for t, m in zip(texts, messages)]
     return texts, ids, messages
 
@@ -1656,6 +1640,7 @@ def reward_function_scores(models, prompts, rows, completions, completion_ids, t
             out = fn(**{k: v for k, v in given.items() if how is None or k in how})
             if inspect.isawaitable(out):  # an async def function
                 out = asyncio.run(out)
+            out = list(out)  # a generator runs here
         columns.append(check_scores(out, len(rows), f"--reward_fn {spec}"))
     return torch.column_stack(columns)
 
@@ -1677,18 +1662,14 @@ def warn_unscored(scored, prompts, rows, models, update):
 
 
 def check_scores(scores, n, source):
-    """A reward function's output -> float32 (n,), NaN for None, or one line."""
-    with flag_errors(f"{source} must return a list of floats (or None)"):
-        scores = list(scores)
+    """A reward function's list of scores -> float32 (n,), NaN for None, or one line."""
     if len(scores) != n:
         fail(f"{source} returned {len(scores)} scores for {n} completions")
     for i, s in enumerate(scores):
-        if not (s is None or isinstance(s, numbers.Real)
-                or torch.is_tensor(s) and s.ndim == 0 and not s.is_complex()):
+        scalar = torch.is_tensor(s) and s.ndim == 0 and not s.is_complex()
+        if not (s is None or (isinstance(s, numbers.Real) or scalar) and math.isfinite(s)):
             fail(f"{source} returned a {type(s).__name__} ({s!r:.40}) for completion {i}: a score "
-                 "is a real number or None")
-        if s is not None and not math.isfinite(s):
-            fail(f"{source} returned a non-finite score ({float(s)}) for completion {i}")
+                 "is a finite real number or None")
     return torch.tensor([math.nan if s is None else float(s) for s in scores])  # default: float32
 
 
@@ -1840,18 +1821,21 @@ def all_ranks_objects(obj):
 
 
 def agreed(check, *args):
-    """check(*args) on every rank; if it fails on any, all stop with its first failure."""
-    result = error = None
+    """check(*args) on every rank; if it fails on any, all stop with its first failure (a bug, not
+    a fail(): its traceback, on the ranks that met it)."""
+    result = error = bug = None
     try:
         result = check(*args)
     except SystemExit as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 (every rank must learn of it)
-        error = f"error: {one_line(e)}"
+        error, bug = f"error: {one_line(e)}", e
     failed = list(filter(None, all_ranks_objects(error)))
     if failed:
         saved = "".join(save() for save in ON_FAILURE)  # every rank: the updates done (main's)
         leave_process_group()  # every rank is here, none in a collective: leave together
+        if bug:
+            raise bug
         # Rank 0 prints the error and fails the run; the others leave with status 0, since a rank
         # that exits 1 first makes torchrun kill rank 0 before it has printed.
         raise SystemExit(failed[0] + saved if os.environ.get("RANK", "0") == "0" else 0)
@@ -2053,19 +2037,20 @@ def add_lora(model, args, modules_to_save=None):
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                              target_modules=args.lora_target_modules or "all-linear",
                              modules_to_save=modules_to_save)
-    with flag_errors(f"--lora_target_modules {args.lora_target_modules}"):  # modules not found
-        model = quietly(peft.get_peft_model, model, config)
+    with flag_errors(f"--lora_target_modules {args.lora_target_modules}"), quietly():
+        model = peft.get_peft_model(model, config)  # (modules not found)
     for p in model.parameters():  # fp32 master weights
         if p.requires_grad:
             p.data = p.data.float()
     return model
 
 
-def quietly(function, *args, **kwargs):
-    """function(*args, **kwargs) without its warnings (peft's notices)."""
+@contextmanager
+def quietly():
+    """Warnings off (peft's notices)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return function(*args, **kwargs)
+        yield
 
 
 # ------------------------- checkpoints, resume and signals (systems: a first reading may skip this)
@@ -2074,7 +2059,7 @@ def quietly(function, *args, **kwargs):
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
     save_every save_total_limit resume export_checkpoint distributed shard_frozen_models
     rollout_unshard dist_timeout_s eval_temperature health_window save_dtype""".split())
-CHECKPOINT_FORMAT = 4  # of state.pt; another is refused (check_checkpoint), but 3 is still exported
+CHECKPOINT_FORMAT = 5  # of state.pt (5: replay keeps phase 4's output); 3, 4 are still exported
 DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
 
@@ -2117,7 +2102,8 @@ def save_final(model, models, args, output_dir, rt, num_updates):
         with save_folder(folder) as tmp:
             if args.lora_r:  # quietly: peft notes that it saves tied embeddings
                 part.peft_config["default"].base_model_name_or_path = base
-                quietly(part.save_pretrained, tmp, state_dict=state)
+                with quietly():
+                    part.save_pretrained(tmp, state_dict=state)
                 written[torch.float32].append(f"{label} adapter")
             else:
                 save_weights(part, tmp, state, dtype)
@@ -2187,12 +2173,14 @@ def check_checkpoint(path, args, stop_token_ids, world_size):
     """state.pt (small; weights_only: runs no code) against this run, before weights load. -> it."""
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True, mmap=True)
     found = state.get("format")
+    if found == 4 and not state["config"]["replay_rounds"]:  # 5 differs only in replay's buffer
+        found = CHECKPOINT_FORMAT
     export = ("export it (--export_checkpoint --resume FOLDER) and start a new run from the "
               "exported policy")
-    if found != CHECKPOINT_FORMAT and not (found == 3 and args.export_checkpoint):  # 3: 4's weights
+    if found != CHECKPOINT_FORMAT and not (found in (3, 4) and args.export_checkpoint):  # weights
         fail(f"--resume {path!r} was written by another version of ppo_rlhf.py (checkpoint format "
              f"{found}, this one reads {CHECKPOINT_FORMAT}); "
-             + (export if found == 3 else "start a new run"))
+             + (export if found in (3, 4) else "start a new run"))
     stored = state["config"]
     changed = [f"--{k} ({stored.get(k)} → {v})" for k, v in asdict(args).items()
                if stored.get(k) != v and k not in RUN_ONLY_FIELDS | {"stop_token", "stop_token_id"}]
@@ -2234,12 +2222,13 @@ def resume(output_dir, model, optimizer, lr_scheduler, scaler, args, rt, models,
                     progress["replay"] = torch.load(os.path.join(path, file), weights_only=True,
                                                     map_location=rt.device)
                 except DAMAGED as e:
-                    error = f"{file}: {str(e).strip().splitlines()[0]}"
+                    error = f"{file}: {(str(e).strip().splitlines() or [repr(e)])[0]}"
                 failed = list(filter(None, all_ranks_objects(error)))  # all ranks skip it, or none
                 if failed:
                     raise OSError(failed[0])  # damaged: an older one is tried
             trained = trained_state(model, optimizer, args)
-            quietly(dcp.load, trained, checkpoint_id=path, no_dist=not rt.torchrun)  # its shards
+            with quietly():  # its shards
+                dcp.load(trained, checkpoint_id=path, no_dist=not rt.torchrun)
             set_state_dict(model, optimizer, options=StateDictOptions(strict=not args.lora_r),
                            model_state_dict=trained["model"], optim_state_dict=trained["optimizer"])
             lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -2248,7 +2237,7 @@ def resume(output_dir, model, optimizer, lr_scheduler, scaler, args, rt, models,
             log.print(f"resumed from {path} after update {start_update}")
             break
         except (*DAMAGED, dcp.CheckpointException) as e:  # the latter a BaseException
-            reason = str(e).strip().splitlines()[0]
+            reason = (str(e).strip().splitlines() or [repr(e)])[0]  # OSError(): its name
             if path == candidates[-1]:  # the one named, or the oldest
                 fail(f"--resume {path!r} cannot be loaded: {reason}")
             log.print(f"warning: skipping damaged checkpoint {path}: {reason}", file=sys.stderr)
@@ -2286,6 +2275,7 @@ def run_folder(args, rt):
     output_dir = args.output_dir or f"runs/{prefix}{int(time.time())}"
     if args.resume == "auto" and not args.output_dir and os.path.isdir("runs"):
         runs = [d for d in os.listdir("runs") if d.startswith(prefix) and d[len(prefix):].isdigit()
+                and os.path.isdir(f"runs/{d}")
                 and (list_checkpoints(f"runs/{d}") or os.path.isfile(f"runs/{d}/complete.json"))]
         if runs:  # stopped, or finished: says so
             output_dir = f"runs/{max(runs, key=lambda d: int(d.removeprefix(prefix)))}"
@@ -2318,8 +2308,9 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
                                               for k, v in b.items()} for b in replay]
     path = os.path.join(output_dir, f"checkpoint-{update:06d}")
     with save_folder(path, rt.torchrun) as tmp:  # weights, AdamW: each rank its shards (DCP)
-        quietly(dcp.save, trained_state(model, optimizer, args), checkpoint_id=tmp,
-                no_dist=not rt.torchrun)
+        with quietly():
+            dcp.save(trained_state(model, optimizer, args), checkpoint_id=tmp,
+                     no_dist=not rt.torchrun)
         for name, value in files.items():  # on disk before the folder is swapped in
             file = os.path.join(tmp, name)
             torch.save(value, file)
@@ -2420,12 +2411,13 @@ def explained_variance(residual_var, returns_var):
 def update_metrics(batch, trained, models, args, rt):
     """One update's metrics (TRL's names, over all ranks); [tokens rolled out, scored, trained]."""
     mask, kl, scores = batch["response_mask"], batch["kl"].sum(1), batch["scores"]  # kl: (B,)
-    returns = batch["returns"]
+    returns, non_score = batch["returns"], batch["penalties"].sum(1)  # Σ_t p_t: as applied
     scored_mean = lambda x: x[batch["scored"]].mean().nan_to_num()  # noqa: E731  scored rows
+    kl_loss = batch["kl_coef"] * kl if args.kl_in == "loss" else 0.0  # the KL not in r_t
     stats = trained.stats  # replay's token counts apart (replay_stats)
     averaged = {"objective/entropy": (-batch["logprobs"]).sum(1).mean(),
-                "objective/non_score_reward": batch["penalties"].sum(1).mean(),  # as applied
-                "objective/rlhf_reward": scored_mean(scores - batch["kl_coef"] * kl),
+                "objective/non_score_reward": non_score.mean(),
+                "objective/rlhf_reward": scored_mean(scores + non_score - kl_loss),
                 "objective/scores": scored_mean(scores),
                 "objective/raw_scores": scored_mean(batch["raw_scores"]),
                 "val/mean_response_length": batch["lengths"].float().mean(),
@@ -2437,7 +2429,7 @@ def update_metrics(batch, trained, models, args, rt):
     if models.value_model is not None:
         averaged["val/explained_variance"] = explained_variance(
             *[global_mean_var(x, mask)[1] for x in (returns - batch["values"], returns)])
-    if args.num_generations > 1:  # groups with A = 0
+    if args.num_generations > 1:  # groups whose scores carry no signal: the filter's rule
         averaged["objective/frac_reward_zero_std"] = equal_score_groups(
             scores, args.num_generations).float().mean()
     if stats:  # must be 1 and 0 (fresh tokens: replay_stats)
@@ -2516,13 +2508,11 @@ def health_hints(window, args, has_stop_token):
 
 
 def changed_flags(args):
-    """The algorithmic flags (not RUN_ONLY_FIELDS) whose resolved value is not the resolved default,
-    as a command line: `--a v --b w` (lists space-separated, booleans --x / --no-x)."""
-    default = Args()
-    check_args(default)  # resolves as args were: --kl_estimator, --loss_agg
-    words = []
+    """The algorithmic flags (not RUN_ONLY_FIELDS) given another value than Args' default, as a
+    command line: `--a v --b w` (lists space-separated, booleans --x / --no-x)."""
+    default, words = vars(Args()), []
     for name, value in vars(args).items():  # the fields, in their order
-        if name in RUN_ONLY_FIELDS or value == getattr(default, name):
+        if name in RUN_ONLY_FIELDS or value == default[name]:
             continue
         if isinstance(value, bool):
             words.append(f"--{'' if value else 'no-'}{name}")
@@ -2563,7 +2553,7 @@ def start_lines(args, sizes, rt, inputs, models, output_dir):
             f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
             f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, "
             f"stop ids {models.stop_token_ids or 'none'}, output {output_dir}; "
-            f"{models.value_source}{head}{lora}\nflags: {changed_flags(args)}")
+            f"{models.value_source}{head}{lora}\nflags: {sizes.flags}")
 
 
 def update_columns(args, models):
@@ -2666,8 +2656,8 @@ class Logger:
         if samples:  # evaluated
             success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
             spread = f"rm_spread {m['eval/rm_spread']:.3f}  " if "eval/rm_spread" in m else ""
-            say(f"  eval {success}score {m['eval/score']:.3f}  kl {m.get('eval/kl', math.nan):.3f}"
-                f"  len {m['eval/response_length']:.1f}  {spread}"
+            say(f"  eval {success}score {m['eval/score']:.3f}  "
+                f"len {m['eval/response_length']:.1f}  {spread}"
                 f"(held-out, T = {args.eval_temperature:g})")
         for s in samples[:3]:  # None: no reward source scored it
             score = "None" if s["score"] is None else f"{s['score']:.2f}"
