@@ -82,6 +82,8 @@ class Args:
     """held-out prompts (as --dataset); auto: the built-in task's 20 for it, else none"""
     eval_temperature: float = 0.0
     """sampling temperature of the evaluation (0: greedy)"""
+    eval_on_start: bool = True
+    """evaluate the policy before its first update too, as update 0 (not on a resume)"""
     health_window: int = 50
     """health hints judge this many last updates, each at most once per window (0: none)"""
     save_every: int = 0
@@ -114,7 +116,7 @@ class Args:
     max_prompt_length: Optional[int] = None
     """most tokens of a prompt; default: the policy's context minus --response_length"""
     overlong_prompts: Literal["error", "filter", "truncate_left"] = "error"
-    """prompts over max_prompt_length: error, filter (leave out), truncate_left (chat: filter)"""
+    """prompts over max_prompt_length: error, filter (leave out), truncate_left (their last ids)"""
     trust_remote_code: bool = False
     """allow models and tokenizers that ship their own code"""
     # --- rollout
@@ -176,30 +178,40 @@ class Args:
     """ε_high (clip-higher, DAPO); unset: ε"""
     dual_clip: Optional[float] = None
     """c > 1: where A < 0 a token's loss is at most c·|A| (dual clip); unset: off"""
-    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"
-    """clip: PPO's; cispo: MiniMax-M1's truncated weight; sapo: Qwen's soft gate"""
+    policy_loss: Literal["clip", "cispo", "sapo", "vespo"] = "clip"
+    """clip: PPO's; cispo: MiniMax-M1's truncated weight; sapo: Qwen's soft gate; vespo: φ(w)"""
     cispo_max: float = 5.0
     """the cap of CISPO's weight sg(min(ρ, c)) (ScaleRL's 5)"""
     sapo_temperature_pos: float = 1.0
     """τ of SAPO's gate σ(τ(ρ − 1)) where A > 0"""
     sapo_temperature_neg: float = 1.05
     """τ of SAPO's gate where A <= 0"""
+    vespo_k_pos: float = 2.0
+    """k of VESPO's weight φ(w) = exp(λ + k·log w − λ·w) of a response's ratio w, where A >= 0"""
+    vespo_lambda_pos: float = 3.0
+    """λ of VESPO's weight where A >= 0"""
+    vespo_k_neg: float = 3.0
+    """k of VESPO's weight where A < 0"""
+    vespo_lambda_neg: float = 2.0
+    """λ of VESPO's weight where A < 0"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """sequence: GSPO's one ratio per response (value-free; its paper clips ε 3e-4, ε_high 4e-4)"""
     off_policy_mask_threshold: Optional[float] = None
     """δ: responses with A < 0 and mean_t log(μ/π_θ) > δ leave the policy loss (DeepSeek-V3.2)"""
     filter_zero_std_groups: bool = False
-    """groups whose scores all equal leave the loss (A = 0 there, yet they dilute the token mean)"""
+    """groups whose scored rows score alike leave the loss (no signal, yet they dilute its mean)"""
     rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
                                 "sequence_mask"] = "none"
     """weight L_clip by w = π_old/μ, the sampler's mismatch (bf16/fp16), per token or response"""
     rollout_correction_cap: float = 3.0
     """C of --rollout_correction: min(w, C) (truncate) or 0 where w > C (mask)"""
-    loss_agg: Optional[
-        Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]] = None
+    loss_agg: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                               "seq_mean_token_sum_norm"]] = None
     """the terms' mean (aggregate); unset: seq_mean_token_mean with GSPO or SAPO, else token_mean"""
     entropy_coef: float = 0.0
     """c_H: loss −= c_H·agg(entropy of π_θ)"""
+    top_entropy_quantile: float = 1.0
+    """q: the policy loss of the top q of loss tokens by entropy only (Wang et al. 2025); 1: all"""
     cliprange_value: float = 0.2
     """ε_v of the clipped value loss"""
     vf_coef: float = 0.1
@@ -219,8 +231,8 @@ class Args:
     replay_weight_cap: Optional[float] = None
     """c of --replay_correction decoupled: tokens with π_prox/μ > c leave the loss (unset: 2)"""
     # --- optimisation
-    learning_rate: float = 1e-3
-    """AdamW learning rate (suits the toy task; real models want ~1e-6 to 3e-6)"""
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; unset: 1e-6 (TRL's, for real models), 1e-3 for the built-in toy model"""
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
     """the learning rate over the updates (get_scheduler): linear to 0, cosine, constant"""
     warmup_ratio: float = 0.0
@@ -392,24 +404,26 @@ def response_mean(x, mask):
 
 
 # What the rest of the file knows of each policy loss (its branch: policy_loss): --loss_agg when
-# unset, the ratio levels it takes, whether the ratio hint reads it (a clip band of PPO's ε), the
-# name of its `clipped` share on the update line (None: it has none).
-POLICY_LOSSES = {"clip": dict(loss_agg="token_mean", levels=("token", "sequence"), ratio_hint=True,
-                              column="clipfrac"),
-                 "cispo": dict(loss_agg="token_mean", levels=("token",), ratio_hint=False,
-                               column="capped"),
+# unset, the ratio levels it takes, whether the ratio hint reads it (a clip band of PPO's ε).
+POLICY_LOSSES = {"clip": dict(loss_agg="token_mean", levels=("token", "sequence"), ratio_hint=True),
+                 "cispo": dict(loss_agg="token_mean", levels=("token",), ratio_hint=False),
                  "sapo": dict(loss_agg="seq_mean_token_mean", levels=("token", "sequence"),
-                              ratio_hint=False, column=None)}
+                              ratio_hint=False),
+                 "vespo": dict(loss_agg="token_mean", levels=("token",), ratio_hint=False)}
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, args):
+def policy_loss(logprobs, old_logprobs, advantages, mask, args, weights=None):
     """Per token, of ρ = π_θ/π_old (--policy_loss): clip max(−ρ·A, −clip(ρ, 1−ε, 1+ε_high)·A), at
     most c·|A| where A < 0 (dual clip); cispo −sg(min(ρ, c))·A·log π_θ (MiniMax-M1); sapo
-    −σ(τ(ρ − 1))·(4/τ)·A with τ = τ+ where A > 0, else τ− (SAPO, Qwen). sequence: ρ is GSPO's
-    s_i = exp(mean_t log ρ_t) of the response (response_mean), its gradient on every token.
-    -> it (B, T); per token: ρ, approx KL (ρ − 1) − log ρ, clipped (cispo: capped), dual-clipped
-    (None: off), outside [1 − ε, 1 + ε_high]. args: importance_sampling_level, cliprange, dual_clip,
-    cliprange_high, policy_loss, cispo_max, sapo_temperature_pos, sapo_temperature_neg."""
+    −σ(τ(ρ − 1))·(4/τ)·A with τ = τ+ where A > 0, else τ− (SAPO, Qwen); vespo −sg(φ(w))·A·log π_θ,
+    φ = exp(λ + k·log w − λ·w), w = Π_t ρ_t·v_t over the response (clamped as TRL), (k, λ) by
+    A's sign. sequence: ρ is GSPO's s_i = exp(mean_t log ρ_t) of the response (response_mean), its
+    gradient on every token. weights v_t (B, T): the sampler's correction, times each token's loss
+    (vespo: in w). -> it (B, T); per token: ρ, approx KL (ρ − 1) − log ρ, clipped (cispo: capped),
+    dual-clipped (None: off), outside [1 − ε, 1 + ε_high]; vespo's φ per response (B, 1). args:
+    importance_sampling_level, cliprange, dual_clip, cliprange_high, policy_loss, cispo_max,
+    sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+    vespo_lambda_neg."""
     log_ratio = logprobs - old_logprobs
     if args.importance_sampling_level == "sequence":  # the value log s_i, gradient ∇log π_θ(y_t)
         log_ratio = response_mean(log_ratio, mask).detach() + logprobs - logprobs.detach()
@@ -426,14 +440,36 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, args):
         tau = torch.where(advantages > 0, *taus)
         loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
         is_clipped = torch.zeros_like(loss, dtype=torch.bool)
+    elif args.policy_loss == "vespo":  # a soft weight of the whole response's ratio (VESPO, TRL)
+        floor = math.log(1e-8)
+        log_v = 0.0 if weights is None else weights.log().clamp(floor, 20.0)  # w holds them
+        log_w = torch.where(mask, log_ratio.clamp(-20.0, 20.0) + log_v, 0.0).sum(-1, keepdim=True)
+        log_w, weights = log_w.clamp(floor, 20.0), None  # (B, 1)
+        ks = ratio.new_tensor([args.vespo_k_pos, args.vespo_k_neg])  # where A >= 0, where A < 0
+        lams = ratio.new_tensor([args.vespo_lambda_pos, args.vespo_lambda_neg])
+        k, lam = torch.where(advantages >= 0, *ks), torch.where(advantages >= 0, *lams)
+        phi = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(0.0, 0.0, 0.0).detach()
+        loss = -phi * advantages * logprobs
+        is_clipped = torch.zeros_like(loss, dtype=torch.bool)
     else:
         raise ValueError(f"policy_loss: no branch for --policy_loss {args.policy_loss!r}")
     dual_clipped = None
     if args.dual_clip is not None:
         dual_clipped = (advantages < 0) & (loss > -args.dual_clip * advantages)
         loss = torch.where(dual_clipped, -args.dual_clip * advantages, loss)
+    if weights is not None:
+        loss = weights * loss
+    phi = response_mean(phi, mask) if args.policy_loss == "vespo" else None
     return loss, dict(ratio=ratio, approxkl=(ratio - 1) - log_ratio, clipped=is_clipped,
-                      dual_clipped=dual_clipped, outside=(ratio < low) | (ratio > high))
+                      dual_clipped=dual_clipped, outside=(ratio < low) | (ratio > high), phi=phi)
+
+
+def high_entropy_tokens(entropy, mask, entropies, q):
+    """The loss tokens whose entropy (B, T) is at least the (1 − q)-quantile of `entropies`, those
+    of the loss tokens of all ranks (float32, linear; TRL's; "Beyond the 80/20 rule", 2025)."""
+    if not len(entropies):  # no loss token anywhere
+        return torch.zeros_like(mask)
+    return mask & (entropy >= torch.quantile(entropies.float(), 1 - q))
 
 
 def rollout_weights(logprobs, sampler_logprobs, mask, mode, cap):
@@ -464,15 +500,19 @@ def value_loss(values, old_values, returns, mask, cliprange_value):
 
 def aggregate(x, mask, loss_agg, response_length):
     """A minibatch's loss from per-token x (B, T): token_mean Σx/Σm (masked_mean);
-    seq_mean_token_mean mean over responses of Σ_t x/length (response_mean); seq_mean_token_sum_norm
-    Σx/(B·response_length) (Dr. GRPO); B counts responses with a token in the loss (0 if none)."""
+    seq_mean_token_mean mean over responses of Σ_t x/length (response_mean); seq_mean_token_sum
+    Σx/B (veRL's; LUSPO's); seq_mean_token_sum_norm Σx/(B·response_length) (Dr. GRPO); B counts
+    responses with a token in the loss (0 if none)."""
     if loss_agg == "token_mean":
         return masked_mean(x, mask)
     responses = mask.any(-1).sum().clamp(min=1)
     if loss_agg == "seq_mean_token_mean":
         return response_mean(x, mask).sum() / responses
+    total = torch.where(mask, x, 0.0).sum(-1).sum()
+    if loss_agg == "seq_mean_token_sum":
+        return total / responses
     if loss_agg == "seq_mean_token_sum_norm":
-        return torch.where(mask, x, 0.0).sum(-1).sum() / (responses * response_length)
+        return total / (responses * response_length)
     raise ValueError(f"aggregate: no branch for loss_agg {loss_agg!r}")
 
 
@@ -727,6 +767,8 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                         ids_mask = batch["attention_mask"][rows, :width]
                         new_logprobs, entropy, new_values = model(ids, ids_mask, context_length,
                                                                   args.temperature)
+                    if args.top_entropy_quantile < 1:  # the loss tokens' entropies, all ranks'
+                        mb["entropies"] = all_ranks_cat(entropy.detach()[mb["response_mask"]])
                     policy_term, vf_loss, losses, tokens = ppo_loss(
                         new_logprobs, entropy, new_values, mb, batch["kl_coef"], args)
                     loss = policy_term * policy_share
@@ -765,14 +807,19 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
     and L_V (None without V). -> those, the named losses, policy_loss's token statistics."""
     mask = mb["response_mask"]
     agg = lambda x: aggregate(x, mask, args.loss_agg, args.response_length)  # noqa: E731
-    pg_tokens, tokens = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], mask, args)
-    weights = mb.get("weights", 1.0)  # phase 2's --rollout_correction, or decoupled replay's
+    pg_tokens, tokens = policy_loss(new_logprobs, mb["logprobs"], mb["advantages"], mask, args,
+                                    mb.get("weights"))  # phase 2's --rollout_correction, replay's
     if args.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: a response whose return is < 0
         drift = response_mean(mb["sampler_logprobs"] - new_logprobs.detach(), mask)  # (b, 1)
         negative = mb["advantages"][:, :1] < 0  # A at its first token: the whole response's
         tokens["off_policy_masked"] = out = negative & (drift > args.off_policy_mask_threshold)
-        weights = weights * ~out
-    policy_term = agg(weights * pg_tokens)  # the weights act on L_clip only
+        pg_tokens = pg_tokens * ~out
+    q = args.top_entropy_quantile
+    if q < 1:  # the policy term (and H) of the highest-entropy tokens only
+        high = high_entropy_tokens(entropy.detach(), mask, mb["entropies"], q)
+        tokens["entropy_masked"] = mask & ~high
+        pg_tokens, entropy = pg_tokens * high, entropy * high
+    policy_term = agg(pg_tokens)
     losses = {"loss/policy_avg": policy_term}
     if args.kl_in == "loss" and kl_coef:  # a gradient through π_θ
         kl = kl_estimate(new_logprobs, mb["ref_logprobs"], args.kl_estimator)
@@ -827,97 +874,104 @@ def main(args: Args):
     lr_scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, warmup, steps)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=args.dtype == "fp16")  # fp16: scaled
     log = Logger(args, output_dir, sizes, rt, inputs, models)
-    saved = (model, optimizer, lr_scheduler, scaler, args, rt, models, log)  # checkpoint() saves
-    start_update, progress = resume(output_dir, *saved)
-    kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
-    last_update = start_update if args.export_checkpoint else sizes.num_updates
-    for update in range(start_update, last_update):
-        log.start_update()  # the clock of its phases
-        done = {**progress, "kl_coef": kl_coef}  # the loop's state after `update` updates
-        save = partial(checkpoint, output_dir, update, done, *saved, failing=True)  # a reward fails
-        ON_FAILURE[:] = [save] if update else []
-        # each rank's slice, seed from (seed, update, rank) (ints hash to themselves): exact resumes
-        rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed, rt.rank,
-                              rt.world_size)
-        rows = rows.repeat_interleave(args.num_generations).tolist()  # a group: k rows
-        random.seed(hash((args.seed, update, rt.rank)))
-        torch.manual_seed(hash((args.seed, update, rt.rank)) % 2**63)
-        model.eval()  # 4.x: train() mode drops the KV cache
+    with log.ending():  # the run folder says how the run ended (stopped.txt)
+        saved = (model, optimizer, lr_scheduler, scaler, args, rt, models, log)  # checkpoint()'s
+        start_update, progress = resume(output_dir, *saved)
+        kl_coef = progress["kl_coef"]  # β; the adaptive controller changes it
+        last_update = start_update if args.export_checkpoint else sizes.num_updates
+        for update in range(start_update, last_update):
+            model.eval()  # 4.x: train() mode drops the KV cache
+            if update == 0 and args.eval_on_start and inputs.eval_prompts:  # the policy before
+                log.before_training(*evaluate(models, inputs.eval_prompts, -1, args, rt,
+                                              trainer_state(0, sizes, args, prompts)))
+            log.start_update()  # the clock of its phases
+            done = {**progress, "kl_coef": kl_coef}  # the loop's state after `update` updates
+            save = partial(checkpoint, output_dir, update, done, *saved, failing=True)  # on failure
+            ON_FAILURE[:] = [save] if update else []
+            # each rank's slice, seed from (seed, update, rank) (ints hash to themselves): exact
+            # resumes
+            rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed,
+                                  rt.rank, rt.world_size)
+            rows = rows.repeat_interleave(args.num_generations).tolist()  # a group: k rows
+            random.seed(hash((args.seed, update, rt.rank)))
+            torch.manual_seed(hash((args.seed, update, rt.rank)) % 2**63)
 
-        # 1. rollout: sample responses with the current policy π_old, keeping each token's log π_old
-        queries, query_mask = left_pad([prompts.ids[i] for i in rows], models.pad_token_id)
-        batch = rollout(models, queries.to(rt.device), query_mask.to(rt.device), args, rt)
-        mask = batch["response_mask"]  # (B, R), True = real response token
-        log.lap("generate")
+            # 1. rollout: sample responses with the current policy π_old, keeping each log π_old
+            queries, query_mask = left_pad([prompts.ids[i] for i in rows], models.pad_token_id)
+            batch = rollout(models, queries.to(rt.device), query_mask.to(rt.device), args, rt)
+            mask = batch["response_mask"]  # (B, R), True = real response token
+            log.lap("generate")
 
-        # 2. score: log π_ref and V(s_t) of every response token, and the score of each response
-        batch.update(score(models, batch, prompts, rows, args, rt,
-                           trainer_state(update, sizes, args, prompts)))
-        scored = batch["scored"]  # (B,): False where no reward source scored the row (None)
-        warn_unscored(scored, prompts, rows, models, update)  # over all ranks
-        scores = batch["raw_scores"]  # (B,)
-        if args.missing_eos_penalty is not None:  # responses without a stop id
-            scores = scores - args.missing_eos_penalty * batch["truncated"].float()
-        std = 1.0
-        if args.score_scaling == "running_std":  # moments of the global batch (all ranks)
-            mean, var = global_mean_var(scores, scored)
-            progress["score_moments"], std = running_moments(progress["score_moments"], mean.item(),
-                                                             var.item(), sizes.batch_size)
-        scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # as the flags say
-        scores = scores.where(scored, math.nan)  # NaN: no reward source scored it
-        if args.rollout_correction != "none":  # w = π_old/μ: the sampler's mismatch (bf16/fp16)
-            batch["weights"] = rollout_weights(batch["logprobs"], batch["sampler_logprobs"], mask,
-                                               args.rollout_correction, args.rollout_correction_cap)
-        log.lap("score")
+            # 2. score: log π_ref and V(s_t) of every response token, and each response's score
+            batch.update(score(models, batch, prompts, rows, args, rt,
+                               trainer_state(update, sizes, args, prompts)))
+            scored = batch["scored"]  # (B,): False where no reward source scored the row (None)
+            warn_unscored(scored, prompts, rows, models, update)  # over all ranks
+            scores = batch["raw_scores"]  # (B,)
+            if args.missing_eos_penalty is not None:  # responses without a stop id
+                scores = scores - args.missing_eos_penalty * batch["truncated"].float()
+            std = 1.0
+            if args.score_scaling == "running_std":  # moments of the global batch (all ranks)
+                mean, var = global_mean_var(scores, scored)
+                progress["score_moments"], std = running_moments(
+                    progress["score_moments"], mean.item(), var.item(), sizes.batch_size)
+            scores = shaped_scores(scores, batch["lengths"].float(), std, args)  # as the flags say
+            scores = scores.where(scored, math.nan)  # NaN: no reward source scored it
+            if args.rollout_correction != "none":  # w = π_old/μ: the sampler's mismatch (bf16)
+                batch["weights"] = rollout_weights(batch["logprobs"], batch["sampler_logprobs"],
+                                                   mask, args.rollout_correction,
+                                                   args.rollout_correction_cap)
+            log.lap("score")
 
-        # 3. KL: KL_t of every response token, an estimate of KL(π_old‖π_ref) from its samples
-        kl = kl_estimate(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator)
-        kl = kl.where(mask, 0.0)
+            # 3. KL: KL_t of every response token, an estimate of KL(π_old‖π_ref) from its samples
+            kl = kl_estimate(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator)
+            kl = kl.where(mask, 0.0)
 
-        # 4. rewards and advantages: r_t = −β·KL_t (unless the KL is a loss term), plus the score
-        # (minus its group's baseline, value-free) on the last real token; GAE, whitened over the
-        # tokens in the loss (value-free: the reward-to-go)
-        loss_mask = mask  # phase 4 leaves out the rows with no baseline (no score)
-        if args.mask_truncated_completions:
-            loss_mask = loss_mask & ~batch["truncated"][:, None]
-        if args.filter_zero_std_groups:  # scores that carry no signal (DAPO), yet fill the mean
-            equal = equal_score_groups(scores, args.num_generations)
-            loss_mask = loss_mask & ~equal.repeat_interleave(args.num_generations)[:, None]
-        batch.update(scores=scores, kl=kl, kl_coef=kl_coef, **advantages_and_returns(
-            scores, kl, kl_coef, batch["values"], mask, loss_mask, args))
+            # 4. rewards and advantages: r_t = −β·KL_t (unless the KL is a loss term), plus the
+            # score (minus its group's baseline, value-free) on the last real token; GAE, whitened
+            # over the tokens in the loss (value-free: the reward-to-go)
+            loss_mask = mask  # phase 4 leaves out the rows with no baseline (no score)
+            if args.mask_truncated_completions:
+                loss_mask = loss_mask & ~batch["truncated"][:, None]
+            if args.filter_zero_std_groups:  # scores that carry no signal (DAPO), yet fill the mean
+                equal = equal_score_groups(scores, args.num_generations)
+                loss_mask = loss_mask & ~equal.repeat_interleave(args.num_generations)[:, None]
+            batch.update(scores=scores, kl=kl, kl_coef=kl_coef, **advantages_and_returns(
+                scores, kl, kl_coef, batch["values"], mask, loss_mask, args))
 
-        # 5. PPO epochs: num_ppo_epochs passes over the batch, one optimizer step per minibatch
-        ON_FAILURE.clear()  # the weights move: no longer the last update's
-        train_batch = batch  # with --replay_rounds N also the last N batches, off-policy
-        if args.replay_rounds:
-            train_batch = replay_batch(progress, batch, update, models, args, rt)
-        model.train()
-        trained = ppo_epochs(model, optimizer, scaler, train_batch, args, sizes, rt)
-        lr = lr_scheduler.get_last_lr()[0]
-        with warnings.catch_warnings():  # no warning if no step was taken
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
-            lr_scheduler.step()
-        progress["bad_updates"] = log.count_bad_updates(progress["bad_updates"],
-                                                        trained.stop_reason, update)
-        log.lap("train")
+            # 5. PPO epochs: num_ppo_epochs passes over the batch, an optimizer step per minibatch
+            ON_FAILURE.clear()  # the weights move: no longer the last update's
+            train_batch = batch  # with --replay_rounds N also the last N batches, off-policy
+            if args.replay_rounds:
+                train_batch = replay_batch(progress, batch, update, models, args, rt)
+            model.train()
+            trained = ppo_epochs(model, optimizer, scaler, train_batch, args, sizes, rt)
+            lr = lr_scheduler.get_last_lr()[0]
+            with warnings.catch_warnings():  # no warning if no step was taken
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
+                lr_scheduler.step()
+            progress["bad_updates"] = log.count_bad_updates(progress["bad_updates"],
+                                                            trained.stop_reason, update)
+            log.lap("train")
 
-        # 6. log: TRL's metric names, over the global batch and every micro-batch of every epoch
-        metrics, token_counts = update_metrics(batch, trained, models, args, rt)
-        samples = []
-        if inputs.eval_prompts and update in log.evaluated:  # held-out prompts
-            model.eval()
-            eval_metrics, samples = evaluate(models, inputs.eval_prompts, update, args, rt,
-                                             trainer_state(update + 1, sizes, args, prompts))
-            metrics.update(eval_metrics)
-        log.update(update, lr, metrics, token_counts, batch, prompts, rows, samples)
-        if args.adaptive_kl_target is not None:  # the global KL: the same β everywhere
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.adaptive_kl_target,
-                                       sizes.batch_size, args.adaptive_kl_horizon)
-        if checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, *saved):  # a signal
-            return log.last
-    ON_FAILURE.clear()
-    written = save_final(model, models, args, output_dir, rt, last_update)
-    log.finish(f"saved {written} to {output_dir}")
+            # 6. log: TRL's metric names, over the global batch and all micro-batches of all epochs
+            metrics, token_counts = update_metrics(batch, trained, models, args, rt)
+            samples = []
+            if inputs.eval_prompts and update in log.evaluated:  # held-out prompts
+                model.eval()
+                eval_metrics, samples = evaluate(models, inputs.eval_prompts, update, args, rt,
+                                                 trainer_state(update + 1, sizes, args, prompts))
+                metrics.update(eval_metrics)
+            log.update(update, lr, metrics, token_counts, batch, prompts, rows, samples)
+            if args.adaptive_kl_target is not None:  # the global KL: the same β everywhere
+                kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"],
+                                           args.adaptive_kl_target, sizes.batch_size,
+                                           args.adaptive_kl_horizon)
+            if checkpoint(output_dir, update + 1, {**progress, "kl_coef": kl_coef}, *saved):  # stop
+                return log.last
+        ON_FAILURE.clear()
+        written = save_final(model, models, args, output_dir, rt, last_update)
+        log.finish(f"saved {written} to {output_dir}")
     return log.last
 
 
@@ -954,13 +1008,15 @@ FLAG_RANGES = {
              " total_episodes num_generations adaptive_kl_horizon"),
     "> 0": (lambda v: v > 0, "temperature cliprange cliprange_value max_grad_norm dist_timeout_s"
             " lora_alpha cispo_max sapo_temperature_pos sapo_temperature_neg"
-            " rollout_correction_cap"),
-    ">= 0": (lambda v: v >= 0, "learning_rate kl_coef vf_coef save_every save_total_limit"
+            " rollout_correction_cap vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg"),
+    ">= 0": (lambda v: v >= 0, "kl_coef vf_coef save_every save_total_limit"
              " num_sample_generations lora_r eval_temperature overlong_buffer health_window"
              " replay_rounds"),
     "in [0, 1]": (lambda v: 0 <= v <= 1, "gamma lam warmup_ratio"),
+    "in (0, 1]": (lambda v: 0 < v <= 1, "top_entropy_quantile"),
     "> 0 (or unset)": (lambda v: v is None or v > 0, "target_kl adaptive_kl_target cliprange_high"
                        " score_clip"),
+    ">= 0 (or unset)": (lambda v: v is None or v >= 0, "learning_rate"),
     "> 1 (or unset)": (lambda v: v is None or v > 1, "dual_clip"),
     ">= 1 (or unset)": (lambda v: v is None or v >= 1, "replay_weight_cap max_prompt_length"),
     "token ids >= 0, at least one (or unset)": (lambda v: v is None or (v and min(v) >= 0),
@@ -993,6 +1049,10 @@ FLAG_CONFLICTS = {
         lambda a: a.adaptive_kl_target and a.kl_coef == 0,
     "--dual_clip bounds the clipped surrogate: it needs --policy_loss clip":
         lambda a: a.dual_clip and a.policy_loss != "clip",
+    "--cliprange_high is the clip's upper band: --policy_loss cispo, sapo and vespo clip nothing":
+        lambda a: a.cliprange_high and a.policy_loss != "clip",
+    "--rollout_correction sequence_* with --policy_loss vespo: its w takes token weights (as TRL)":
+        lambda a: a.policy_loss == "vespo" and a.rollout_correction.startswith("sequence"),
     "--importance_sampling_level sequence needs a value-free --advantage_estimator (A per token), "
     "no --dual_clip": lambda a: a.importance_sampling_level == "sequence" and (
         ESTIMATORS[a.advantage_estimator]["learns_value"] or a.dual_clip),
@@ -1037,7 +1097,9 @@ def check_args(args):
     loss_agg = POLICY_LOSSES[args.policy_loss]["loss_agg"]
     if args.importance_sampling_level == "sequence":  # as veRL: one ratio per response counts once
         loss_agg = "seq_mean_token_mean"
-    if args.loss_agg not in (None, loss_agg) and loss_agg == "seq_mean_token_mean":  # as TRL
+    # LUSPO (GSPO's ratio, summed per response): weighed by length on purpose
+    luspo = args.importance_sampling_level == "sequence" and args.loss_agg == "seq_mean_token_sum"
+    if args.loss_agg not in (None, loss_agg) and loss_agg == "seq_mean_token_mean" and not luspo:
         warn(f"warning: --loss_agg {args.loss_agg} weights each response by its length; GSPO and "
              "SAPO average per response (seq_mean_token_mean)")
     args.loss_agg = args.loss_agg or loss_agg
@@ -1119,12 +1181,18 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     outside = [i for i in stop_token_ids if not 0 <= i < vocab_size]  # not grown for a pad
     if outside:
         fail(f"--stop_token_id {outside}: not in the policy's vocabulary [0, {vocab_size})")
+    lr = args.learning_rate
     for path in resume_candidates(args, output_dir)[:1]:  # resume()'s first; auto skips damaged
-        try:
+        try:  # with no --learning_rate, the checkpoint's
             check_checkpoint(path, args, stop_token_ids, int(os.environ.get("WORLD_SIZE", 1)))
         except DAMAGED as e:  # a checkpoint that cannot be read
             if args.resume != "auto":
                 fail(f"--resume {path!r}: {one_line(e)}")
+    lr_source = "--learning_rate" if lr is not None else "the checkpoint's"
+    if args.learning_rate is None:  # a real model's 1e-6 (TRL's); the built-in toy's 1e-3
+        builtin = args.model_name_or_path == "builtin"
+        args.learning_rate = 1e-3 if builtin else 1e-6
+        lr_source = "the built-in task's" if builtin else "a real model's default, TRL's"
     if not stop_token_ids and int(os.environ.get("RANK", 0)) == 0:
         say("note: no stop id (--stop_token, --stop_token_id, the tokenizer, generation_config): "
             f"every response runs to --response_length {args.response_length}")
@@ -1150,7 +1218,7 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
         warn(f"warning: --eval_dataset {eval_dataset!r} is the --dataset file: it evaluates on "
              "training prompts")
     return SimpleNamespace(tokenizer=tokenizer, prompts=prompt_sets["dataset"],
-                           eval_prompts=prompt_sets.get("eval_dataset"),
+                           eval_prompts=prompt_sets.get("eval_dataset"), lr_source=lr_source,
                            stop_token_ids=stop_token_ids,
                            **check_rewards(args, tokenizer, configs, prompt_sets, stop_token_ids))
 
@@ -1512,10 +1580,9 @@ def load_prompts(dataset, args, tokenizer, context, flag="dataset"):
              f"{len(over)} longer than --max_prompt_length {limit}"
              f"{'' if args.max_prompt_length else default}; shorten them or pass "
              "--overlong_prompts filter|truncate_left")
-    truncated = [i for i in over  # chat rows: filtered
-                 if args.overlong_prompts == "truncate_left" and messages[i] is None]
-    for i in truncated:  # the policy reads the last ids; the reward sources the text of those ids
-        ids[i] = ids[i][-limit:]
+    truncated = over if args.overlong_prompts == "truncate_left" else []
+    for i in truncated:  # the policy reads the last ids (of a chat row: its template's, as TRL);
+        ids[i] = ids[i][-limit:]  # the reward sources the text of those ids, or the messages
         texts[i] = tokenizer.decode(ids[i])
     dropped = set(over) - set(truncated)
     kept = [i for i in range(len(ids)) if i not in dropped]
@@ -1812,6 +1879,11 @@ def all_ranks_sum(x):
     return x
 
 
+def all_ranks_cat(x):
+    """Every rank's x (n,), concatenated in rank order; x itself in a single process."""
+    return torch.cat([part.to(x.device) for part in all_ranks_objects(x.cpu())])
+
+
 def all_ranks_objects(obj):
     """[every rank's obj] (picklable), on every rank; [obj] in a single process."""
     objects = [obj] * (dist.get_world_size() if in_process_group() else 1)
@@ -2058,7 +2130,8 @@ def quietly():
 # --distributed, --shard_frozen_models; --eval_temperature: eval/). A resume may change only these.
 RUN_ONLY_FIELDS = set("""exp_name output_dir track wandb_project_name num_sample_generations
     save_every save_total_limit resume export_checkpoint distributed shard_frozen_models
-    rollout_unshard dist_timeout_s eval_temperature health_window save_dtype""".split())
+    rollout_unshard dist_timeout_s eval_temperature eval_on_start health_window
+    save_dtype""".split())
 CHECKPOINT_FORMAT = 5  # of state.pt (5: replay keeps phase 4's output); 3, 4 are still exported
 DAMAGED = (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)  # a checkpoint read
 STOP_SIGNALS = []  # (signal, time), appended by request_stop; checkpoint() reads it
@@ -2182,6 +2255,8 @@ def check_checkpoint(path, args, stop_token_ids, world_size):
              f"{found}, this one reads {CHECKPOINT_FORMAT}); "
              + (export if found in (3, 4) else "start a new run"))
     stored = state["config"]
+    if args.learning_rate is None:  # not given: the run's (before 1e-6 was the default, 1e-3)
+        args.learning_rate = stored["learning_rate"]
     changed = [f"--{k} ({stored.get(k)} → {v})" for k, v in asdict(args).items()
                if stored.get(k) != v and k not in RUN_ONLY_FIELDS | {"stop_token", "stop_token_id"}]
     if changed:  # stop ids: below
@@ -2255,9 +2330,14 @@ def resume(output_dir, model, optimizer, lr_scheduler, scaler, args, rt, models,
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
              "is --output_dir on a filesystem every node sees?")
     for path in filter(os.path.exists, logs):  # no duplicate line, no gap
-        with open(path) as f, open(path + ".tmp", "w") as g:
-            g.writelines(ln for ln in f if ln.strip() and json.loads(ln)["update"] <= start_update)
+        with open(path) as f:
+            kept = [ln for ln in f if ln.strip() and json.loads(ln)["update"] <= start_update]
+        with open(path + ".tmp", "w") as g:
+            g.writelines(kept)
         os.replace(path + ".tmp", path)
+        for m in map(json.loads, kept if path == logs[0] else []):  # the hints, as they were
+            if m["update"]:  # not the evaluation before training
+                log.hints({k: math.nan if v is None else v for k, v in m.items()}, quiet=True)
     return start_update, progress
 
 
@@ -2367,16 +2447,16 @@ def masked_var(x, mask):
 
 
 def ratio_stats(tokens, mask):
-    """policy_loss's token statistics as means over the real tokens, under TRL's names; the
-    off-policy mask's over responses (the approx KL: ppo_epochs', per minibatch)."""
+    """The loss's token statistics as means over the real tokens, a response's (b, 1) over the
+    responses, under TRL's names (the approx KL: ppo_epochs', per minibatch)."""
     names = {"clipped": "policy/clipfrac_avg", "ratio": "val/ratio",
-             "outside": "policy/ratio_outside_clip_avg", "dual_clipped": "policy/dual_clipfrac_avg"}
+             "outside": "policy/ratio_outside_clip_avg", "dual_clipped": "policy/dual_clipfrac_avg",
+             "off_policy_masked": "policy/off_policy_masked_frac", "phi": "vespo/phi_seq_mean",
+             "entropy_masked": "policy/entropy_masked_frac"}
     ratio = tokens["ratio"]
-    stats = {names[k]: masked_mean(tokens[k].to(ratio.dtype), mask)
-             for k in names if tokens[k] is not None}
-    if "off_policy_masked" in tokens:  # (b, 1): whole responses
-        stats["policy/off_policy_masked_frac"] = masked_mean(
-            tokens["off_policy_masked"][:, 0].to(ratio.dtype), mask.any(1))
+    stats = {names[k]: masked_mean(x.to(ratio.dtype), mask) if x.shape[1] > 1 else
+             masked_mean(x[:, 0].to(ratio.dtype), mask.any(1))
+             for k, x in tokens.items() if k in names and x is not None}
     stats["val/ratio_var"] = masked_var(ratio, mask)
     return stats
 
@@ -2443,7 +2523,9 @@ def update_metrics(batch, trained, models, args, rt):
     if models.builtin_reward:  # the built-in task: the share of answers that score 1
         averaged["objective/success_rate"] = (batch["raw_scores"] == 1).float().mean()
     num_rms, source_scores = len(models.reward_models), batch["source_scores"]  # RMs first
-    sources = [f"rm{j}" for j in range(num_rms)] + [f"fn{j}" for j in range(len(models.reward_fns))]
+    sources = [os.path.basename(os.path.normpath(path)) for path in args.reward_model_path or []]
+    sources += [fn.__name__ for fn, _, _ in models.reward_fns]  # TRL's names; _i where two clash
+    sources = [f"{name}_{i}" if sources.count(name) > 1 else name for i, name in enumerate(sources)]
     if len(sources) > 1:  # each source's mean raw score, over the rows it scored
         averaged.update({f"objective/raw_scores/{name}": x.nanmean()
                          for name, x in zip(sources, source_scores.T)})
@@ -2478,33 +2560,34 @@ def replay_stats(stats, micro_batches):
 
 
 def health_hints(window, args, has_stop_token):
-    """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}."""
-    hints, last, n = {}, window[-1], len(window)
+    """Signs of trouble in the last updates' metrics -> {hint: a line naming the flag}: one row each
+    (when, what), on the last update, or on a full window of 2 or more (its halves' means)."""
+    if not window:  # --health_window 0
+        return {}
+    last, n = window[-1], len(window)
+    full = n >= max(args.health_window, 2)
+    halves = (window[: n // 2], window[n // 2 :])
+    kl, score = ([sum(m.get(key, 0.0) for m in h) / max(len(h), 1) for h in halves]
+                 for key in ("objective/kl", "objective/scores"))  # older, newer
     outside = last.get("replay/outside_clip_fresh", last.get("policy/ratio_outside_clip_avg", 0.0))
-    token_clip = args.importance_sampling_level == "token"  # its 50% suits PPO's ε
-    if outside > 0.5 and token_clip and POLICY_LOSSES[args.policy_loss]["ratio_hint"]:
-        hints["ratio"] = (f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + "
-                          "ε_high] in this update: the policy moves too far per update; lower "
-                          "--learning_rate or --num_ppo_epochs (or set --target_kl)")
-    if n < max(args.health_window, 2):  # the other hints judge a full window of 2 or more
-        return hints
-    if "objective/kl" in last:  # the means of its older and newer halves
-        kl_before, kl_now, score_before, score_now = (sum(m[key] for m in h) / len(h) for key in (
-            "objective/kl", "objective/scores") for h in (window[: n // 2], window[n // 2 :]))
-        if kl_now > 1.5 * kl_before and kl_now - kl_before > 0.1 and score_now <= score_before:
-            hints["kl"] = (f"the KL to the reference rose from {kl_before:.2f} to {kl_now:.2f} "
-                           f"over the last {n} updates while the score did not "
-                           f"({score_before:.3f} -> {score_now:.3f}): the policy drifts without "
-                           "gaining reward (or games it); raise --kl_coef or set "
-                           "--adaptive_kl_target, and watch eval/score")
     truncated = [m["val/truncated_frac"] for m in window]
-    if has_stop_token and min(truncated) >= 0.9:
-        hints["length"] = (f"{sum(truncated) / n:.0%} of the responses of the last {n} updates "
-                           f"(>= 90% in each) were cut off at --response_length "
-                           f"{args.response_length} before the stop token: raise "
-                           "--response_length, or penalise it (--missing_eos_penalty, "
-                           "--overlong_buffer)")
-    return hints
+    rows = {"ratio": (outside > 0.5 and args.importance_sampling_level == "token"  # PPO's ε
+                      and POLICY_LOSSES[args.policy_loss]["ratio_hint"],
+                      f"{outside:.0%} of the importance ratios π_θ/π_old left [1 − ε, 1 + ε_high] "
+                      "in this update: the policy moves too far per update; lower --learning_rate "
+                      "or --num_ppo_epochs (or set --target_kl)"),
+            "kl": (full and "objective/kl" in last and kl[1] > 1.5 * kl[0] and kl[1] - kl[0] > 0.1
+                   and score[1] <= score[0],
+                   f"the KL to the reference rose from {kl[0]:.2f} to {kl[1]:.2f} over the last "
+                   f"{n} updates while the score did not ({score[0]:.3f} -> {score[1]:.3f}): the "
+                   "policy drifts without gaining reward (or games it); raise --kl_coef or set "
+                   "--adaptive_kl_target, and watch eval/score"),
+            "length": (full and has_stop_token and min(truncated) >= 0.9,
+                       f"{sum(truncated) / n:.0%} of the responses of the last {n} updates (>= 90% "
+                       f"in each) were cut off at --response_length {args.response_length} before "
+                       "the stop token: raise --response_length, or penalise it "
+                       "(--missing_eos_penalty, --overlong_buffer)")}
+    return {name: line for name, (when, line) in rows.items() if when}
 
 
 def changed_flags(args):
@@ -2552,20 +2635,19 @@ def start_lines(args, sizes, rt, inputs, models, output_dir):
             f"{sizes.local_batch_size} per device, {args.num_mini_batches} minibatches of "
             f"{sizes.local_mini_batch_size}, micro-batches of {sizes.micro_batch_size}), "
             f"{described(inputs.prompts)}, {evaluated}, device {rt.device}, {args.dtype}, "
+            f"lr {args.learning_rate:g} ({inputs.lr_source}), "
             f"stop ids {models.stop_token_ids or 'none'}, output {output_dir}; "
             f"{models.value_source}{head}{lora}\nflags: {sizes.flags}")
 
 
 def update_columns(args, models):
     """The update line's columns that this run has, as a format of its metrics."""
-    clipped = POLICY_LOSSES[args.policy_loss]["column"]  # its `clipped` share, if it has one
-    sequence = "seq " if args.importance_sampling_level == "sequence" else ""
     columns = {
         "success {objective/success_rate:4.0%}": models.builtin_reward,
         "score {objective/scores:.3f}": True,
         "kl {objective/kl:.3f}": models.ref_policy is not None,
         "approxkl {policy/approxkl_avg:.4f}": True,
-        f"{sequence}{clipped} {{policy/clipfrac_avg:.3f}}": clipped is not None,
+        "clipfrac {policy/clipfrac_avg:.3f}": True,  # whatever the loss clips or caps (SAPO: 0)
         "masked {policy/off_policy_masked_frac:.3f}": args.off_policy_mask_threshold is not None,
         "filtered {objective/frac_reward_zero_std:.2f}": args.filter_zero_std_groups,
         "vloss {loss/value_avg:.4f}  "
@@ -2576,12 +2658,14 @@ def update_columns(args, models):
 
 
 class Logger:
-    """Rank 0's lines on stdout, hints on stderr, metrics.jsonl, samples.jsonl (wandb: --track)."""
+    """Rank 0's lines on stdout, hints on stderr, metrics.jsonl, samples.jsonl (wandb: --track),
+    and the run folder's note of how the run ended (stopped.txt)."""
 
     def __init__(self, args, output_dir, sizes, rt, inputs, models):
         self.args, self.sizes, self.rt, self.output_dir = args, sizes, rt, output_dir
         self.print = say if rt.rank == 0 else lambda line, file=None: None
         self.wandb = rt.rank == 0 and args.track and importlib.import_module("wandb")  # importable
+        self.made = rt.rank == 0 and not os.path.exists(output_dir)  # ending() may remove it
         if rt.rank == 0:
             os.makedirs(output_dir, exist_ok=True)
         if self.wandb:
@@ -2613,10 +2697,37 @@ class Logger:
                  "check the reward scale, or use --dtype fp32")
         return bad_updates + 1
 
+    def write(self, m, samples):
+        """A metrics line into metrics.jsonl, samples into samples.jsonl (whole lines), wandb."""
+        for name, objects in (("metrics", [m]), ("samples", samples)):
+            if objects and self.rt.rank == 0:
+                with open(os.path.join(self.output_dir, f"{name}.jsonl"), "a") as f:
+                    f.writelines(map(json_line, objects))
+        if self.wandb:  # the evaluation's samples as a table
+            tables = {"eval/samples": self.wandb.Table(columns=list(samples[0]), data=[
+                list(s.values()) for s in samples])} if samples else {}
+            self.wandb.log({**m, **tables}, step=m["update"])
+
+    def evaluation(self, m, samples):
+        """The held-out evaluation's line and its first samples (None: no source scored it)."""
+        success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
+        spread = f"rm_spread {m['eval/rm_spread']:.3f}  " if "eval/rm_spread" in m else ""
+        self.print(f"  eval {success}score {m['eval/score']:.3f}  len "
+                   f"{m['eval/response_length']:.1f}  {spread}(held-out, T = "
+                   f"{self.args.eval_temperature:g})")
+        for s in samples[:3]:
+            score = "None" if s["score"] is None else f"{s['score']:.2f}"
+            self.print(f"    {s['prompt']!r} -> {s['completion']!r}  score {score}")
+
+    def before_training(self, metrics, samples):
+        """The evaluation before the first update (--eval_on_start), as update 0."""
+        self.write({"update": 0, "episode": 0, **metrics}, samples)
+        self.print(f"update 0/{self.sizes.num_updates}  before training")
+        self.evaluation(metrics, samples)
+
     def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples):
         """One update into metrics.jsonl, its samples into samples.jsonl; its lines."""
         t, update, elapsed = self.laps, update + 1, time.time() - self.start_time
-        args = self.args
         self.logged += 1
         peak_memory = (torch.cuda.max_memory_allocated() / 2**20 if self.rt.device.type == "cuda"
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # KiB
@@ -2627,44 +2738,57 @@ class Logger:
             **{f"time/{name}_tokens_per_s": n / max(t[f"time/{lap}_s"], 1e-9) for name, lap, n in
                zip(("rollout", "score", "train"), ("generate", "score", "train"), token_counts)},
             "memory/peak_mib": peak_memory}
-        if self.rt.rank:  # rank 0 writes and prints
-            return
-        for name, objects in (("metrics", [m]), ("samples", samples)):
-            if objects:  # whole lines only
-                with open(os.path.join(self.output_dir, f"{name}.jsonl"), "a") as f:
-                    f.writelines(map(json_line, objects))
-        if self.wandb:  # the evaluation's samples as a table
-            tables = {"eval/samples": self.wandb.Table(columns=list(samples[0]), data=[
-                list(s.values()) for s in samples])} if samples else {}
-            self.wandb.log({**m, **tables}, step=update)
+        self.write(m, samples)
         hms = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
         columns = self.columns.format_map(defaultdict(lambda: math.nan, m))  # NaN: not this update
-        say(f"update {update}/{self.sizes.num_updates}  {columns}| {m['time/update_s']:.2f}s: "
-            f"generate {t['time/generate_s']:.2f}  score {t['time/score_s']:.2f}  "
-            f"train {t['time/train_s']:.2f}  | {peak_memory:.0f} MiB  | {hms(elapsed)}, "
-            f"eta {hms(elapsed / self.logged * (self.sizes.num_updates - update))}")
-        self.window.append(m)  # stays empty with --health_window 0
-        hints = health_hints(list(self.window), args, self.has_stop_token) if self.window else {}
-        for name, hint in hints.items():
-            if update >= self.quiet_until.get(name, 0):  # at most once per window
-                self.quiet_until[name] = update + args.health_window
-                say(f"hint: update {update}: {hint}", file=sys.stderr)
-        if args.num_sample_generations and update - 1 in self.evaluated:  # when it evaluates
+        self.print(f"update {update}/{self.sizes.num_updates}  {columns}| "
+                   f"{m['time/update_s']:.2f}s: generate {t['time/generate_s']:.2f}  score "
+                   f"{t['time/score_s']:.2f}  train {t['time/train_s']:.2f}  | {peak_memory:.0f} "
+                   f"MiB  | {hms(elapsed)}, eta "
+                   f"{hms(elapsed / self.logged * (self.sizes.num_updates - update))}")
+        self.hints(m)
+        if self.args.num_sample_generations and update - 1 in self.evaluated:  # as it evaluates
             shown = list(zip(rows, batch["completions"], batch["scores"].tolist()))
-            for r, c, s in shown[:: args.num_generations][:3]:  # one response per prompt
-                say(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
-        if samples:  # evaluated
-            success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
-            spread = f"rm_spread {m['eval/rm_spread']:.3f}  " if "eval/rm_spread" in m else ""
-            say(f"  eval {success}score {m['eval/score']:.3f}  "
-                f"len {m['eval/response_length']:.1f}  {spread}"
-                f"(held-out, T = {args.eval_temperature:g})")
-        for s in samples[:3]:  # None: no reward source scored it
-            score = "None" if s["score"] is None else f"{s['score']:.2f}"
-            say(f"    {s['prompt']!r} -> {s['completion']!r}  score {score}")
+            for r, c, s in shown[:: self.args.num_generations][:3]:  # one response per prompt
+                self.print(f"    {prompts.texts[r]!r} -> {c!r}  score {s:.2f}")
+        if samples:
+            self.evaluation(m, samples)
+
+    def hints(self, m, quiet=False):
+        """The health hints of the window that ends at m (quiet: a resume's, rebuilt unsaid), each
+        at most once per window."""
+        self.window.append(m)  # stays empty with --health_window 0
+        for name, hint in health_hints(list(self.window), self.args, self.has_stop_token).items():
+            if m["update"] >= self.quiet_until.get(name, 0):
+                self.quiet_until[name] = m["update"] + self.args.health_window
+                if not quiet:
+                    self.print(f"hint: update {m['update']}: {hint}", file=sys.stderr)
+
+    @contextmanager
+    def ending(self):
+        """The run folder says how the run ended: a stop that is not completion writes stopped.txt
+        (why, and how to go on where a checkpoint is); a run that ends before its first update's
+        line removes the folder it made."""
+        try:
+            yield
+        except BaseException as e:  # fail()'s line, a bug's, an interrupt
+            if self.made and not self.logged:
+                shutil.rmtree(self.output_dir, ignore_errors=True)
+            elif self.rt.rank == 0:
+                why = str(e) if isinstance(e, SystemExit) else f"error: {one_line(e)}"
+                newest = list_checkpoints(self.output_dir)[-1:]
+                if newest and "--resume auto" not in why:
+                    why += (f"; the newest checkpoint is {newest[0]}: continue with the same flags "
+                            f"plus: --output_dir {self.output_dir} --resume auto")
+                with open(os.path.join(self.output_dir, "stopped.txt"), "w") as f:
+                    f.write(why + "\n")
+            raise
 
     def finish(self, message):
+        """The run is complete: its last line; a stopped.txt of an earlier stop goes."""
         self.print(message)
+        if self.rt.rank == 0 and os.path.exists(os.path.join(self.output_dir, "stopped.txt")):
+            os.remove(os.path.join(self.output_dir, "stopped.txt"))
         if self.wandb:
             self.wandb.finish()
 

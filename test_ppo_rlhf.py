@@ -260,6 +260,7 @@ def run_args(tiny, tmp_path, **overrides):
     kwargs = dict(model_name_or_path=tiny["gpt2"], reward_model_path=[tiny["gpt2_rm"]], dataset=tiny["prompts"],
                   output_dir=str(tmp_path / "run"), total_episodes=16, per_device_train_batch_size=8,
                   num_mini_batches=2, num_ppo_epochs=2, response_length=6, learning_rate=1e-3, num_sample_generations=0)
+    kwargs.setdefault("eval_on_start", False)  # these runs' metrics.jsonl start at update 1
     kwargs.update(overrides)
     return P.Args(**kwargs)
 
@@ -312,8 +313,9 @@ def test_a_renamed_copy_runs_its_own_built_in_task(tmp_path):
     (tmp_path / "my_ppo.py").write_text(fork)
     (tmp_path / "ppo_rlhf.py").write_text(source)
     out = str(tmp_path / "run")
-    result = subprocess.run([sys.executable, "my_ppo.py", "--total_episodes", "64", "--per_device_train_batch_size",
-                             "32", "--output_dir", out], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "my_ppo.py", "--total_episodes", "64",
+               "--per_device_train_batch_size", "32", "--output_dir", out, "--no-eval-on-start"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert [m["objective/scores"] for m in read_metrics(out)] == [0.25, 0.25]
 
@@ -744,11 +746,178 @@ def test_loss_aggregation_on_ragged_lengths():
     assert P.aggregate(x, mask, "token_mean", 6) == pytest.approx((1 + 2 + 3 + 4 + 5 + 6 + 7 + 8) / 8)
     assert P.aggregate(x, mask, "seq_mean_token_mean", 6) == pytest.approx((6 / 3 + 4 / 1 + 26 / 4) / 3)
     assert P.aggregate(x, mask, "seq_mean_token_sum_norm", 6) == pytest.approx(36 / (3 * 6))  # response_length 6
+    assert P.aggregate(x, mask, "seq_mean_token_sum", 6) == pytest.approx(36 / 3)
     mask[1] = False  # a response left out of the loss (--mask_truncated_completions) counts in no denominator
     assert P.aggregate(x, mask, "seq_mean_token_mean", 6) == pytest.approx((6 / 3 + 26 / 4) / 2)
     assert P.aggregate(x, mask, "seq_mean_token_sum_norm", 6) == pytest.approx(32 / (2 * 6))
-    assert all(P.aggregate(x, torch.zeros_like(mask), agg, 6) == 0 for agg in ("token_mean", "seq_mean_token_mean",
-                                                                              "seq_mean_token_sum_norm"))
+    assert P.aggregate(x, mask, "seq_mean_token_sum", 6) == pytest.approx(32 / 2)
+    nothing = torch.zeros_like(mask)
+    assert all(P.aggregate(x, nothing, agg, 6) == 0 for agg in switch_values("loss_agg"))
+
+
+def trl_case(seed, B=5, T=6):
+    """A random float64 micro-batch: ragged lengths (padded rows; one of 1 token), per-token
+    advantages of both signs, log-ratios near 0 and one row far off (VESPO's clamps), μ, π_ref."""
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda: torch.randn(B, T, dtype=torch.float64, generator=gen)  # noqa: E731
+    mask = torch.arange(T) < torch.tensor([6, 2, 4, 1, 5])[:, None]
+    old = -torch.rand(B, T, dtype=torch.float64, generator=gen) - 0.1
+    new = old + 0.3 * randn()
+    new[4] = old[4] + 5.0  # Σ_t log ρ_t = 25 for that row: w clamped at e^20
+    mu, ref, advantages = old + 0.2 * randn(), old + 0.5 * randn(), randn()
+    assert (advantages[mask] > 0).any() and (advantages[mask] < 0).any()
+    return new.requires_grad_(), old, advantages, mask, mu, ref
+
+
+def trl_kl(new, old, ref, beta):
+    """TRL's KL term per token with use_bias_correction_kl (its default): β·k3·exp(log ρ_t)."""
+    d = ref - new
+    return beta * (d.exp() - d - 1) * (new - old).exp()
+
+
+def naive_vespo(new, old, advantages, mask, v, beta, ref, k=(2.0, 3.0), lam=(3.0, 2.0)):
+    """TRL 1.16's loss_type vespo, from its formulas, a row and a token at a time: log w = clamp(Σ_t
+    clamp(log ρ_t, ±20) + Σ_t clamp(log v_t, log 1e-8, 20), log 1e-8, 20); φ = exp(λ + k·log w −
+    λ·w), (k, λ) by the sign of the token's A (A >= 0: the first), detached; −φ·A·log π_θ, plus the
+    KL term; Σ over the loss tokens / their count."""
+    total, floor = 0.0, math.log(1e-8)
+    for i in range(len(new)):
+        real = [t for t in range(new.shape[1]) if mask[i, t]]
+        log_w = sum((new[i, t] - old[i, t]).clamp(-20, 20) for t in real)
+        if v is not None:
+            log_w = log_w + sum(min(max(math.log(v[i, t].item()), floor), 20.0) for t in real)
+        log_w = min(max(float(log_w.detach()), floor), 20.0)  # detached: φ is
+        for t in real:
+            j = 0 if advantages[i, t] >= 0 else 1
+            phi = math.exp(lam[j] + k[j] * log_w - lam[j] * math.exp(log_w))
+            total = total - phi * advantages[i, t] * new[i, t] + trl_kl(new[i, t], old[i, t],
+                                                                        ref[i, t], beta)
+    return total / mask.sum()
+
+
+@pytest.mark.parametrize("beta,correction", [(0.0, False), (0.04, False), (0.0, True),
+                                             (0.04, True)])
+def test_vespo_equals_trls_loss_in_value_and_gradient(beta, correction):
+    """--policy_loss vespo (ppo_loss, --kl_in loss with k3 and the bias correction, token_mean)
+    against naive_vespo at 1e-10 in float64: padded rows, per-token A of both signs, a row whose
+    ratio leaves the clamp; with --rollout_correction token_truncate the weights are in w, not on
+    the loss again."""
+    for seed in range(3):
+        new, old, advantages, mask, mu, ref = trl_case(seed)
+        args = P.Args(policy_loss="vespo", kl_in="loss", kl_coef=beta, kl_estimator="k3")
+        P.check_args(args)
+        mb = dict(logprobs=old, advantages=advantages, response_mask=mask, ref_logprobs=ref)
+        v = None
+        if correction:  # π_old/μ truncated at 1.2: some tokens capped
+            v = mb["weights"] = P.rollout_weights(old, mu, mask, "token_truncate", 1.2)
+            assert (v[mask] == 1.2).any() and (v[mask] < 1.2).any()
+        ours, _, _, tokens = P.ppo_loss(new, torch.zeros_like(new), None, mb, beta, args)
+        theirs = naive_vespo(new, old, advantages, mask, v, beta, ref)
+        (grad_ours,), (grad_theirs,) = (torch.autograd.grad(x, new) for x in (ours, theirs))
+        assert abs(ours.item() - theirs.item()) < 1e-10 and ours.abs() > 1e-3
+        assert torch.allclose(grad_ours, grad_theirs, rtol=0, atol=1e-10)
+        assert tokens["phi"][4].item() == 0.0  # w = e^20: φ underflows to 0 (TRL's nan_to_num)
+        assert 0 < tokens["phi"][0].item() and tokens["phi"].shape == (5, 1)
+
+
+def test_luspo_equals_trls_loss_in_value_and_gradient():
+    """LUSPO: --importance_sampling_level sequence --loss_agg seq_mean_token_sum: TRL 1.16's luspo
+    from its formulas, s_i = exp(mean_t log ρ_t) with its gradient, −min(s_i·A_i, clip(s_i)·A_i)
+    summed over the response's tokens, a mean over responses, at 1e-10 in float64 (β = 0: TRL
+    weights the KL term by s_i, this file by ρ_t). No length warning for it."""
+    for seed in range(3):
+        new, old, advantages, mask, _, _ = trl_case(seed)
+        advantages = advantages[:, :1].expand_as(advantages)  # one A per response: value-free
+        args = P.Args(importance_sampling_level="sequence", loss_agg="seq_mean_token_sum",
+                      advantage_estimator="grpo", num_generations=5, per_device_train_batch_size=5,
+                      num_mini_batches=1, cliprange=0.2, cliprange_high=0.28)
+        P.check_args(args)
+        mb = dict(logprobs=old, advantages=advantages, response_mask=mask)
+        ours = P.ppo_loss(new, torch.zeros_like(new), None, mb, 0.0, args)[0]
+        rows = []
+        for i in range(len(new)):
+            real = mask[i]
+            s = ((new[i] - old[i])[real].sum() / real.sum()).exp()
+            a = advantages[i, 0]
+            rows.append(-torch.min(s * a, s.clamp(0.8, 1.28) * a) * real.sum())
+        theirs = torch.stack(rows).mean()
+        (grad_ours,), (grad_theirs,) = (torch.autograd.grad(x, new) for x in (ours, theirs))
+        assert abs(ours.item() - theirs.item()) < 1e-10 and ours.abs() > 1e-3
+        assert torch.allclose(grad_ours, grad_theirs, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("loss", ["vespo", "luspo", "entropy_mask"])
+def test_the_trl_losses_run_end_to_end_and_log_what_they_did(tiny, tmp_path, loss):
+    """A few updates of main() with each: VESPO logs vespo/phi_seq_mean (1 where it steps once per
+    update: w = 1 on-policy), the high-entropy mask the share of loss tokens it left out (about 1 −
+    q, the quantile over the micro-batch: ppo_epochs gathers the entropies)."""
+    flags = {"vespo": dict(policy_loss="vespo", advantage_estimator="grpo", num_generations=2,
+                           num_ppo_epochs=1, num_mini_batches=1),
+             "luspo": dict(importance_sampling_level="sequence", loss_agg="seq_mean_token_sum",
+                           advantage_estimator="grpo", num_generations=2),
+             "entropy_mask": dict(top_entropy_quantile=0.2)}[loss]
+    args = run_args(tiny, tmp_path, total_episodes=24, **flags)
+    P.main(args)
+    metrics = read_metrics(args.output_dir)
+    assert len(metrics) == 3 and all(m["policy/epochs"] > 0 for m in metrics)
+    if loss == "vespo":
+        assert all(abs(m["vespo/phi_seq_mean"] - 1) < 1e-4 for m in metrics)
+    if loss == "entropy_mask":
+        assert all(0.7 < m["policy/entropy_masked_frac"] < 0.85 for m in metrics)
+    assert ("policy/entropy_masked_frac" in metrics[0]) == (loss == "entropy_mask")
+
+
+def naive_entropy_masked_clip(new, old, advantages, mask, entropy, all_entropies, q, beta, ref):
+    """TRL 1.16's get_high_entropy_mask and loss from their formulas: the threshold is the (1 −
+    q)-quantile of every rank's loss-token entropies (float32, linear interpolation, by hand); a
+    token's clipped surrogate counts where its entropy is at least it, 0 elsewhere (its count kept
+    in the denominator); the KL term everywhere."""
+    values = sorted(all_entropies.float().tolist())
+    position = (1 - q) * (len(values) - 1)
+    low = math.floor(position)
+    high = values[min(low + 1, len(values) - 1)]
+    threshold = values[low] + (position - low) * (high - values[low])
+    total = 0.0
+    for i, t in mask.nonzero().tolist():
+        ratio = (new[i, t] - old[i, t]).exp()
+        surrogate = -torch.min(ratio * advantages[i, t], ratio.clamp(0.8, 1.2) * advantages[i, t])
+        keep = float(entropy[i, t]) >= threshold
+        total = total + surrogate * keep + trl_kl(new[i, t], old[i, t], ref[i, t], beta)
+    return total / mask.sum()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_the_high_entropy_mask_equals_trls_in_value_and_gradient(beta):
+    """--top_entropy_quantile q under clip and token_mean against naive_entropy_masked_clip at 1e-10
+    in float64; the share of loss tokens it masked is logged; the entropy bonus is masked too."""
+    for seed, q in ((0, 0.2), (1, 0.5), (2, 0.8)):
+        new, old, advantages, mask, _, ref = trl_case(seed)
+        new = new.detach().clone()
+        new[4] = old[4] + 0.1  # within the clip band where it can be
+        new.requires_grad_()
+        gen = torch.Generator().manual_seed(seed)
+        entropy = torch.rand(5, 6, dtype=torch.float64, generator=gen)
+        args = P.Args(top_entropy_quantile=q, kl_in="loss", kl_coef=beta, kl_estimator="k3")
+        P.check_args(args)
+        mb = dict(logprobs=old, advantages=advantages, response_mask=mask, ref_logprobs=ref,
+                  entropies=entropy[mask])
+        ours, _, _, tokens = P.ppo_loss(new, entropy, None, mb, beta, args)
+        theirs = naive_entropy_masked_clip(new, old, advantages, mask, entropy, entropy[mask], q,
+                                           beta, ref)
+        (grad_ours,), (grad_theirs,) = (torch.autograd.grad(x, new) for x in (ours, theirs))
+        assert abs(ours.item() - theirs.item()) < 1e-10
+        assert torch.allclose(grad_ours, grad_theirs, rtol=0, atol=1e-10)
+        masked = tokens["entropy_masked"]
+        n = int(mask.sum())
+        assert abs(masked[mask].float().mean() - (1 - math.ceil(q * n) / n)) <= 1 / n  # ~1 − q out
+        assert not (masked & ~mask).any()
+        bonus = P.Args(top_entropy_quantile=q, entropy_coef=0.5)
+        no_bonus = P.Args(top_entropy_quantile=q)
+        P.check_args(bonus), P.check_args(no_bonus)
+        with_bonus = P.ppo_loss(new, entropy, None, mb, 0.0, bonus)[0]
+        no_bonus = P.ppo_loss(new, entropy, None, mb, 0.0, no_bonus)[0]
+        kept = entropy.where(mask & ~masked, 0.0).sum() / mask.sum()
+        assert (no_bonus - with_bonus).item() == pytest.approx(0.5 * kept.item(), rel=1e-12)
 
 
 SWITCHES = ("advantage_estimator", "policy_loss", "kl_in", "kl_estimator", "loss_agg",
@@ -1513,11 +1682,12 @@ def test_several_reward_sources_give_the_weighted_score_and_log_their_spread(tin
     assert torch.allclose(batches["all"]["raw_scores"], alone @ torch.tensor([0.5, 0.3, -0.2]), atol=1e-6)
     assert torch.allclose(batches["rms"]["raw_scores"], alone[:, :2].mean(1), atol=1e-6)
     m = metrics["all"]
-    for j, name in enumerate(["rm0", "rm1", "fn0"]):
+    for j, name in enumerate(["gpt2_rm", "other_rm", "num_words"]):  # folders', the function's
         assert m[f"objective/raw_scores/{name}"] == pytest.approx(alone[:, j].mean().item(), abs=1e-6)
     spread = ((alone[:, 0] - alone[:, 1]).abs() / 2).mean().item()
     assert m["objective/rm_spread"] == pytest.approx(spread, abs=1e-6) == metrics["rms"]["objective/rm_spread"]
-    assert "objective/rm_spread" not in metrics["rm0"] and "objective/raw_scores/rm0" not in metrics["rm0"]
+    assert "objective/rm_spread" not in metrics["rm0"]
+    assert "objective/raw_scores/gpt2_rm" not in metrics["rm0"]
     out = capsys.readouterr().out
     assert f"rm_spread {spread:.3f}" in out
     held_out = last_scored["rms"]["source_scores"]  # the evaluation after the last update: the .txt file's 3 prompts
@@ -1587,7 +1757,13 @@ def test_a_none_score_leaves_its_source_out_and_async_functions_run(tiny, tmp_pa
     batch = calls[0][0]
     counts = torch.tensor(count_w1(None, batch["completions"]))
     assert torch.allclose(batch["raw_scores"], torch.cat([2 * counts[:1], 0.5 + 2 * counts[1:]]))
-    assert batch["source_scores"][0, 0].isnan() and read_metrics(args.output_dir)[0]["objective/raw_scores/fn0"] == 1
+    m = read_metrics(args.output_dir)[0]
+    assert batch["source_scores"][0, 0].isnan() and m["objective/raw_scores/none_for_first"] == 1
+    args = run_args(tiny, tmp_path / "twice", total_episodes=8,
+                    reward_fn=[f"{__file__}:num_words"] * 2)
+    P.main(args)  # a suffix (the position among the sources) only where two names clash
+    names = {k for k in read_metrics(args.output_dir)[0] if k.startswith("objective/raw_scores/")}
+    assert names == {f"objective/raw_scores/{n}" for n in ("gpt2_rm", "num_words_1", "num_words_2")}
 
 
 def test_rows_no_source_scores_leave_their_group_and_the_loss_and_the_run_goes_on(
@@ -1697,25 +1873,25 @@ def readme_sample_columns(line):
     """A start or update line without what differs from run to run or with the run's length: the
     update count and the output folder, and from the first `|` on (seconds, memory, clock); and
     the sign of a zero (update 1's KL is 0 up to the last bits, whose sign differs across CPUs)."""
-    line = re.sub(r"^(update 1/|ppo_rlhf: )\d+", r"\1N", line.split("|")[0])
+    line = re.sub(r"^(update [01]/|ppo_rlhf: )\d+", r"\1N", line.split("|")[0])
     return re.sub(r"-(0\.0+ )", r"\1", re.sub(r"output \S+;", "output X;", line))
 
 
 def test_the_readmes_sample_output_is_what_a_seed_1_run_prints(tmp_path, capsys):
-    """The README's first lines of the default run equal a seed-1 run's: the start line and update
-    1's metrics, as printed (`kl -0.000` as `kl 0.000`). One update suffices: the learning rate of
-    update 1 is the initial one for any number of updates, and the evaluation after it has its
-    own random stream."""
+    """The README's first lines of the default run equal a seed-1 run's: the start line, the
+    evaluation before training (its line and samples) and update 1's metrics, as printed (`kl
+    -0.000` as `kl 0.000`). One update suffices: the learning rate of update 1 is the initial one
+    for any number of updates, and the evaluations have their own random stream."""
     readme = open(os.path.join(HERE, "README.md")).read().splitlines()
-    start = next(line for line in readme if line.startswith("ppo_rlhf: 400 updates"))
-    update = next(line for line in readme if line.startswith("update 1/400 "))
-    flags = readme[readme.index(start) + 1]
-    assert readme.index(update) == readme.index(start) + 2 and flags == "flags: (the defaults)"
+    start = next(i for i, line in enumerate(readme) if line.startswith("ppo_rlhf: 400 updates"))
+    end = next(i for i, line in enumerate(readme) if line.startswith("update 1/400 "))
+    shown = readme[start : end + 1]
+    assert shown[1] == "flags: (the defaults)" and shown[2] == "update 0/400  before training"
     P.main(P.Args(output_dir=str(tmp_path / "run"), total_episodes=128))
-    printed = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().out.splitlines()[: len(shown)]
     assert printed[1] == "flags: --total_episodes 128"  # the one flag given
-    assert [readme_sample_columns(x) for x in (start, update)] == [
-        readme_sample_columns(x) for x in (printed[0], printed[2])]
+    assert [readme_sample_columns(x) for x in shown[:1] + shown[2:]] == [
+        readme_sample_columns(x) for x in printed[:1] + printed[2:]]
 
 
 def help_flags(capsys):
@@ -1839,7 +2015,7 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line(tmp_path, format,
     nothing else)."""
     replay_flags = dict(replay_rounds=1, replay_correction="naive") if replay else {}
     args = P.Args(output_dir=str(tmp_path / "run"), total_episodes=256, save_every=1,
-                  num_sample_generations=0, **replay_flags)
+                  num_sample_generations=0, eval_on_start=False, **replay_flags)
     P.main(args)
     path = os.path.join(args.output_dir, "checkpoint-000001")
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
@@ -2547,7 +2723,8 @@ def test_the_loop_shapes_the_scores_as_its_flags_say(tiny, tmp_path, monkeypatch
 
 def test_builtin_task_learns(tmp_path, capfd):
     """It trains on 80 sums and evaluates on the 20 others, after the last update (num_sample_generations 0)."""
-    args = P.Args(output_dir=str(tmp_path / "builtin"), total_episodes=128 * 150, num_sample_generations=0)
+    args = P.Args(output_dir=str(tmp_path / "builtin"), total_episodes=128 * 150,
+                  num_sample_generations=0, eval_on_start=False)
     P.main(args)
     metrics = read_metrics(args.output_dir)
     success = [m["objective/success_rate"] for m in metrics]
@@ -2679,7 +2856,8 @@ OUT_OF_RANGE = {"per_device_train_batch_size": 0, "gradient_accumulation_steps":
                 "replay_weight_cap": 0.5, "max_prompt_length": 0,
                 "warmup_ratio": 1.5, "cispo_max": 0.0, "sapo_temperature_pos": -1.0, "sapo_temperature_neg": 0.0,
                 "rollout_correction_cap": float("nan"), "off_policy_mask_threshold": float("inf"),
-                "reward_weights": [float("nan")]}
+                "reward_weights": [float("nan")], "vespo_k_pos": 0.0, "vespo_lambda_pos": -1.0,
+                "vespo_k_neg": float("nan"), "vespo_lambda_neg": 0.0, "top_entropy_quantile": 0.0}
 
 
 def file_case(case, tiny, tmp_path):
@@ -2800,6 +2978,12 @@ def file_case(case, tiny, tmp_path):
         "zero-std filtering without groups": (dict(filter_zero_std_groups=True, advantage_estimator="reinforce_pp"),
                                               "--filter_zero_std_groups"),
         "a rollout correction in fp32": (dict(rollout_correction="token_truncate"), "--rollout_correction"),
+        "a sequence rollout correction with vespo": (dict(policy_loss="vespo", dtype="bf16",
+                                                          rollout_correction="sequence_mask"),
+                                                     "--rollout_correction"),
+        **{f"clip-higher with {loss}": (dict(policy_loss=loss, cliprange_high=0.28),
+                                        "--cliprange_high")
+           for loss in ("cispo", "sapo", "vespo")},
         "a rollout correction with replay": (dict(rollout_correction="token_mask", dtype="bf16", replay_rounds=1,
                                                   replay_correction="decoupled"), "--rollout_correction"),
     }[case]
@@ -2835,7 +3019,9 @@ FILE_CASES = ["missing policy", "missing reference", "missing value model", "mis
               "a dual clip with cispo", "a dual clip with sapo", "sequence-level ratios with GAE",
               "sequence-level ratios with cispo", "sequence-level ratios with a dual clip",
               "an off-policy mask with GAE", "zero-std filtering without groups", "a rollout correction in fp32",
-              "a rollout correction with replay", "exporting no checkpoint"]
+              "a rollout correction with replay", "exporting no checkpoint",
+              "a sequence rollout correction with vespo", "clip-higher with cispo",
+              "clip-higher with sapo", "clip-higher with vespo"]
 
 
 MUST_SAY = {"a tokenizer past the model's vocabulary": "gives prompt ids past the model's vocabulary of 40",
@@ -2957,6 +3143,103 @@ def test_bad_input_found_while_running_gets_a_one_line_error_and_writes_nothing(
     assert not os.path.exists(os.path.join(args.output_dir, "policy"))
 
 
+def fork_with_no_branch(tmp_path):
+    """A throwaway fork that adds an --advantage_estimator value and its row, but not its branch."""
+    source = open(SCRIPT).read()
+    edits = {'"reinforce_pp_baseline"] = "gae"': '"reinforce_pp_baseline", "forgotten"] = "gae"',
+             '"reinforce_pp_baseline": dict(grouped=True, whitened=True, learns_value=False)}':
+             '"reinforce_pp_baseline": dict(grouped=True, whitened=True, learns_value=False),\n'
+             '              "forgotten": dict(grouped=True, whitened=False, learns_value=False)}'}
+    for old, new in edits.items():
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    (tmp_path / "fork_ppo_rlhf.py").write_text(source)
+    spec = importlib.util.spec_from_file_location("fork_ppo_rlhf", tmp_path / "fork_ppo_rlhf.py")
+    fork = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork)
+    return fork
+
+
+def test_a_run_that_fails_before_its_first_update_line_leaves_no_folder(tiny, tmp_path):
+    """A run that fails at update 1, before any line of metrics.jsonl (a reward returning None for
+    every row; a fork's estimator with no branch: a ValueError with its traceback), removes the
+    run folder it made; one it did not make (an empty one given) stays, saying why it stopped."""
+    args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:none_for_all"])
+    with pytest.raises(SystemExit, match="no source scored any response of update 1"):
+        P.main(args)
+    assert not os.path.exists(args.output_dir)
+    fork = fork_with_no_branch(tmp_path)
+    args = run_args(tiny, tmp_path / "fork", advantage_estimator="forgotten", num_generations=2)
+    with pytest.raises(ValueError, match="no branch for --advantage_estimator forgotten"):
+        fork.main(args)
+    assert not os.path.exists(args.output_dir)
+    os.makedirs(tmp_path / "given")
+    with pytest.raises(ValueError):
+        fork.main(dataclasses.replace(args, output_dir=str(tmp_path / "given")))
+    assert os.listdir(tmp_path / "given") == ["stopped.txt"]
+    why = (tmp_path / "given" / "stopped.txt").read_text()
+    assert why.startswith("error: ValueError: baselined_scores: no branch for ")
+
+
+def test_the_learning_rate_in_use_and_where_it_came_from(tiny, tmp_path, capsys):
+    """Without --learning_rate one's own model trains at 1e-6 (TRL's default), the built-in toy at
+    1e-3; a given one always wins; the start line says which and why. A checkpoint written before
+    this default (format 4, its config's rate 1e-3 on one's own model) resumes and exports without
+    the flag, at its stored rate."""
+    for name, flags, lr, why in (("own", dict(learning_rate=None), 1e-6, "a real model's default"),
+                                 ("given", dict(learning_rate=5e-4), 5e-4, "--learning_rate")):
+        args = run_args(tiny, tmp_path / name, total_episodes=8, **flags)
+        P.main(args)
+        assert read_metrics(args.output_dir)[0]["lr"] == lr
+        start, flags = capsys.readouterr().out.splitlines()[:2]
+        assert f", lr {lr:g} ({why}" in start and ("--learning_rate" in flags) == (name == "given")
+    builtin = P.Args(total_episodes=128, num_sample_generations=0, eval_on_start=False,
+                     output_dir=str(tmp_path / "builtin"))
+    P.main(builtin)
+    assert read_metrics(builtin.output_dir)[0]["lr"] == 1e-3
+    assert ", lr 0.001 (the built-in task's), " in capsys.readouterr().out
+    old = run_args(tiny, tmp_path / "old", learning_rate=1e-3, save_every=1, total_episodes=16)
+    P.main(old)
+    path = os.path.join(old.output_dir, "checkpoint-000001")
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+    assert state["config"]["learning_rate"] == 1e-3
+    torch.save({**state, "format": 4}, os.path.join(path, "state.pt"))  # as written before
+    unset = dataclasses.replace(old, learning_rate=None, resume=path,
+                                output_dir=str(tmp_path / "resumed"))
+    assert P.main(unset)["lr"] == 1e-3 / 2  # linear schedule: update 2 of 2
+    assert ", lr 0.001 (the checkpoint's), " in capsys.readouterr().out
+    export = dataclasses.replace(unset, learning_rate=None, export_checkpoint=True,
+                                 output_dir=str(tmp_path / "exported"))
+    P.main(export)
+    assert os.path.isfile(os.path.join(export.output_dir, "complete.json"))
+
+
+def test_the_held_out_evaluation_before_training_is_update_0(tmp_path, capsys):
+    """With held-out prompts (the built-in task's), one evaluation before the first update: update
+    0 in metrics.jsonl (its eval/ metrics alone) and samples.jsonl, an eval line after 'update 0';
+    every training number the same as with --no-eval-on-start; none on a resume."""
+    args = P.Args(total_episodes=384, num_sample_generations=1, save_every=1,
+                  output_dir=str(tmp_path / "on"))
+    P.main(args)
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == "update 0/3  before training" and out[3].startswith("  eval success ")
+    metrics = read_metrics(args.output_dir)
+    assert set(metrics[0]) == {"update", "episode", "eval/score", "eval/response_length",
+                               "eval/success_rate"} and metrics[0]["update"] == 0
+    samples = read_lines(os.path.join(args.output_dir, "samples.jsonl"))
+    assert [s["update"] for s in samples] == [0] * 20 + [1] * 20 + [3] * 20  # and after 1, 3
+    off = dataclasses.replace(args, eval_on_start=False, output_dir=str(tmp_path / "off"))
+    P.main(off)
+    assert [DETERMINISTIC_KEYS(m) for m in read_metrics(off.output_dir)] == [
+        DETERMINISTIC_KEYS(m) for m in metrics[1:]]
+    os.remove(os.path.join(args.output_dir, "complete.json"))
+    P.main(dataclasses.replace(args, resume=os.path.join(args.output_dir, "checkpoint-000002")))
+    assert [m["update"] for m in read_metrics(args.output_dir)] == [0, 1, 2, 3]
+    flags = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True,
+                           text=True).stdout
+    assert "--no-eval-on-start" in flags
+
+
 def test_bad_input_on_the_command_line_has_no_traceback(tmp_path):
     result = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", "/no/such/model", "--output_dir",
                              str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
@@ -2988,20 +3271,23 @@ def test_the_context_checks_cover_the_held_out_prompts_and_let_an_exact_fit_thro
 
 
 def test_the_default_run_is_quiet_and_learns_the_held_out_sums(tmp_path):
-    """The default run, whole: the first lines are the start line (it names the value model's new head) and the first
-    update, stderr stays empty (no progress bar, no load report, no health hint: the run is healthy), the training
-    success climbs and the held-out success is printed after the last update."""
+    """The default run, whole: the first lines are the start line (it names the value model's new
+    head), the evaluation before training and the first update; stderr stays empty (no progress
+    bar, no load report, no health hint: the run is healthy), the training success climbs and the
+    held-out success is printed after the last update."""
     out = str(tmp_path / "run")
     result = subprocess.run([sys.executable, SCRIPT, "--output_dir", out], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("ppo_rlhf: 400 updates") and lines[0].endswith("value model from the policy with a "
                                                                              "new score head")
-    assert lines[1] == "flags: (the defaults)" and lines[2].startswith("update 1/400 ")
-    metrics = read_metrics(out)
+    assert lines[1] == "flags: (the defaults)" and lines[2] == "update 0/400  before training"
+    assert lines[7].startswith("update 1/400 ")
+    before, *metrics = read_metrics(out)
+    assert before["update"] == 0 and before["eval/success_rate"] == 0
     assert max(m["objective/success_rate"] for m in metrics[:10]) < 0.1 < 0.8 < metrics[-1]["objective/success_rate"]
     held_out = [line for line in lines if line.startswith("  eval success ")]
-    assert len(held_out) == 11 and f"{metrics[-1]['eval/success_rate']:4.0%}" in held_out[-1]
+    assert len(held_out) == 12 and f"{metrics[-1]['eval/success_rate']:4.0%}" in held_out[-1]
     assert metrics[-1]["eval/success_rate"] > metrics[0]["eval/success_rate"]
 
 
@@ -3068,6 +3354,34 @@ def test_a_run_that_moves_too_far_gets_hints_at_most_once_per_window(tiny, tmp_p
     assert captured.out.count(note) == 1  # said once, at the start
 
 
+def test_a_stopped_and_resumed_run_prints_the_hints_the_unbroken_run_prints(tiny, tmp_path, capsys,
+                                                                          monkeypatch):
+    """The hints' window and quiet periods are rebuilt from metrics.jsonl on a resume: a run stopped
+    after update 5 (a signal) and resumed prints, over both parts, the hints the unbroken run
+    prints, at the same updates (here the ratio and length hints, a window of 3)."""
+    flags = dict(reward_model_path=None, reward_fn=[f"{__file__}:num_words"], total_episodes=96,
+                 stop_token_id=5, learning_rate=0.1, health_window=3, save_every=0)
+    P.main(run_args(tiny, tmp_path / "unbroken", **flags))
+    unbroken = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hint:")]
+    monkeypatch.setattr(P, "STOP_SIGNALS", [])
+    real = P.checkpoint
+
+    def stop_after_5(output_dir, update, *a, **kw):
+        if update == 5:  # as if a SIGTERM came during update 5
+            P.STOP_SIGNALS.append((signal.SIGTERM, time.monotonic()))
+        return real(output_dir, update, *a, **kw)
+    monkeypatch.setattr(P, "checkpoint", stop_after_5)
+    P.main(run_args(tiny, tmp_path, **flags))
+    first = capsys.readouterr().err.splitlines()
+    P.STOP_SIGNALS.clear()
+    P.main(run_args(tiny, tmp_path, resume="auto", **flags))
+    resumed = first + capsys.readouterr().err.splitlines()
+    assert len(read_metrics(tmp_path / "run")) == 12
+    assert [line for line in resumed if line.startswith("hint:")] == unbroken
+    assert len({line.split(":")[1] for line in unbroken}) >= 3 and any(
+        int(line.split()[2][:-1]) > 5 for line in unbroken)  # some hint after the stop
+
+
 @pytest.mark.parametrize("health_window", [1, 50])
 def test_a_hint_is_printed_the_first_time_it_fires_whatever_the_window(tiny, tmp_path, capsys, health_window):
     """A run of 4 updates that moves too far from its first update: the ratio hint (which reads the last update only)
@@ -3098,21 +3412,20 @@ def test_gspo_at_its_papers_clip_gets_no_ratio_hint(tiny, tmp_path, capsys):
     assert "hint:" not in capsys.readouterr().err
 
 
-LOSS_COLUMNS = {"clip": (dict(), "  clipfrac "), "cispo": (dict(policy_loss="cispo"), "  capped "),
-                "sapo": (dict(policy_loss="sapo"), None),
-                "gspo": (dict(importance_sampling_level="sequence", cliprange=3e-4,
-                              filter_zero_std_groups=True, off_policy_mask_threshold=0.1),
-                         "  seq clipfrac ")}
+LOSS_COLUMNS = {"clip": dict(), "cispo": dict(policy_loss="cispo"),
+                "sapo": dict(policy_loss="sapo"), "vespo": dict(policy_loss="vespo"),
+                "gspo": dict(importance_sampling_level="sequence", cliprange=3e-4,
+                             filter_zero_std_groups=True, off_policy_mask_threshold=0.1)}
 
 
 @pytest.mark.parametrize("loss", LOSS_COLUMNS)
 def test_the_start_names_the_flags_and_the_update_line_each_losss_columns(tiny, tmp_path, capsys,
                                                                          loss):
-    """A second start line lists the algorithmic flags whose resolved value is not the resolved
-    default, as a command that reproduces the run (parsed back: the same algorithmic fields); the
-    update line names the clipped share as the loss has it (clip clipfrac, GSPO seq clipfrac, cispo
-    capped, sapo none) and the masked and filtered shares when those switches are on."""
-    flags, column = LOSS_COLUMNS[loss]
+    """A second start line lists the algorithmic flags given other values than their defaults, as a
+    command that reproduces the run (parsed back: the same algorithmic fields); the update line has
+    fixed columns: the clipped share as clipfrac whatever the loss (what it clips or caps; SAPO:
+    0), and the masked and filtered shares when those switches are on."""
+    flags = LOSS_COLUMNS[loss]
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
                     advantage_estimator="grpo", num_generations=2, total_episodes=8, **flags)
     P.main(args)
@@ -3124,8 +3437,7 @@ def test_the_start_names_the_flags_and_the_update_line_each_losss_columns(tiny, 
                              if k not in P.RUN_ONLY_FIELDS}
     assert algorithmic(parsed) == algorithmic(args)
     update = next(line for line in out if line.startswith("update 1/1 "))
-    for label in ("  clipfrac ", "  seq clipfrac ", "  capped "):
-        assert (label in update) == (label == column), (label, update)
+    assert "  clipfrac " in update and " capped " not in update and " seq " not in update
     for label in ("  masked ", "  filtered "):
         assert (label in update) == (loss == "gspo"), (label, update)
 
@@ -3215,7 +3527,7 @@ def test_eval_dataset_auto_is_the_built_in_held_out_sums_or_none_says_so_and_res
                     total_episodes=8, num_ppo_epochs=1))
     assert "40 prompts, no eval (--eval_dataset auto: none for one's own --dataset), " in capsys.readouterr().out
     args = P.Args(output_dir=str(tmp_path / "builtin"), total_episodes=16, per_device_train_batch_size=8,
-                  num_ppo_epochs=1, num_sample_generations=0, save_every=1)
+                  num_ppo_epochs=1, num_sample_generations=0, save_every=1, eval_on_start=False)
     P.main(args)
     start = capsys.readouterr().out.splitlines()[0]
     assert "80 prompts, eval 20 prompts (--eval_dataset auto: the built-in task's held-out sums), " in start
@@ -3270,7 +3582,11 @@ def test_over_long_prompts_are_filtered_or_truncated_for_every_reader(tiny, tmp_
         assert {p for c in logged for p in c["prompts"]} & {" ".join(r["prompt"].split()[-4:]) for r in over}
 
 
-def test_truncate_left_keeps_the_last_ids_filters_chat_rows_and_reward_models_check_the_truncated_text(tiny, tmp_path):
+def test_truncate_left_keeps_the_last_ids_of_every_row_and_reward_models_check_the_truncated_text(
+        tiny, tmp_path):
+    """--overlong_prompts truncate_left keeps a prompt's last ids: a chat row's as TRL truncates
+    it, its chat template's ids from the left (its messages kept whole for the reward functions);
+    a reward model reads the text of the ids kept."""
     chat_tokenizer = AutoTokenizer.from_pretrained(tiny["chat"])
     path = tmp_path / "mixed.jsonl"
     plain, short = "w1 w2 w3 w4 w5 w6 w7 w8", {"messages": [{"role": "user", "content": "w1"}]}
@@ -3279,7 +3595,14 @@ def test_truncate_left_keeps_the_last_ids_filters_chat_rows_and_reward_models_ch
     args = run_args(tiny, tmp_path, max_prompt_length=6, overlong_prompts="truncate_left")
     prompts = P.load_prompts(str(path), args, chat_tokenizer, 32)
     assert prompts.ids[0] == chat_tokenizer(plain)["input_ids"][-6:] and prompts.texts[0] == "w3 w4 w5 w6 w7 w8"
-    assert prompts.messages == [None, short["messages"]] and (prompts.filtered, prompts.truncated) == (1, 1)
+    templated = chat_tokenizer.apply_chat_template(rows[1]["messages"], tokenize=False,
+                                                   add_generation_prompt=True)
+    whole = chat_tokenizer(templated, add_special_tokens=False)["input_ids"]
+    assert len(whole) > 6 and prompts.ids[1] == whole[-6:]  # the template's last 6 ids
+    assert prompts.texts[1] == chat_tokenizer.decode(whole[-6:])
+    assert prompts.messages == [None, rows[1]["messages"], short["messages"]]
+    assert (prompts.filtered, prompts.truncated) == (0, 2) and P.described(prompts) == (
+        "3 prompts (2 over-long truncated)")
     overrides, _ = file_case("a reward model with its own tokenizer and a shorter context", tiny, tmp_path)
     args = run_args(tiny, tmp_path, **overrides)
     with pytest.raises(SystemExit, match="more than its context of 8"):  # prompts of up to 6 words, 6 response tokens
@@ -3335,8 +3658,11 @@ def test_a_reward_function_that_fails_at_update_3_leaves_a_checkpoint_of_update_
     assert line.endswith(f"; saved {out}/checkpoint-000002; continue with the same "
                          f"flags plus: --output_dir {out} --resume auto")
     assert P.list_checkpoints(out) == [f"{out}/checkpoint-000002"] and len(read_metrics(out)) == 2
+    with open(os.path.join(out, "stopped.txt")) as f:  # the run folder says why, and how to go on
+        assert f.read() == line + "\n"
     monkeypatch.delenv("GRADER_DOWN")
     P.main(run_args(tiny, tmp_path, resume="auto", **flags))
+    assert "complete.json" in os.listdir(out) and "stopped.txt" not in os.listdir(out)
     P.main(run_args(tiny, tmp_path / "unbroken", **flags))
     resumed, unbroken = read_metrics(out), read_metrics(str(tmp_path / "unbroken" / "run"))
     assert [DETERMINISTIC_KEYS(m) for m in resumed] == [DETERMINISTIC_KEYS(m) for m in unbroken]
@@ -3353,7 +3679,7 @@ def cli_run(tiny, output_dir, *extra, cwd=None, stream=subprocess.PIPE, **popen)
            "--dataset", tiny["prompts"], *(["--output_dir", output_dir] if output_dir else []), "--total_episodes",
            "96", "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
            "--response_length", "6", "--learning_rate", "1e-3", "--num_sample_generations", "0", "--save_every", "1",
-           "--eval_dataset", tiny["txt"], *extra]
+           "--eval_dataset", tiny["txt"], "--no-eval-on-start", *extra]
     return subprocess.Popen(cmd, stdout=stream, stderr=stream, text=True, cwd=cwd, **popen,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
 
@@ -3508,6 +3834,10 @@ def test_a_stopped_run_keeps_how_to_go_on_in_its_folder_and_warns_of_a_second_ct
     assert capsys.readouterr().out.splitlines()[-1] == how
     with open(os.path.join(args.output_dir, "stopped.txt")) as f:
         assert f.read() == f"stopped by a signal after update 1\n{how}\n"
+    P.STOP_SIGNALS.clear()
+    P.main(dataclasses.replace(args, resume="auto"))  # completed: the note of the stop goes
+    assert "complete.json" in os.listdir(args.output_dir)
+    assert "stopped.txt" not in os.listdir(args.output_dir)
 
 
 def test_a_signal_delivered_twice_is_one_stop_request_but_a_later_one_exits(monkeypatch):
@@ -3915,7 +4245,7 @@ def test_torchrun_builtin_task(tmp_path):
     evaluation after the last update equals a one-process greedy evaluation of the saved policy."""
     out = str(tmp_path / "builtin")
     result = torchrun("--distributed", "fsdp", "--output_dir", out, "--total_episodes", "768",
-                      "--num_sample_generations", "0")
+                      "--num_sample_generations", "0", "--no-eval-on-start")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["episode"] for m in metrics] == [256, 512, 768]  # 2 ranks x 128 prompts per update
@@ -4154,6 +4484,46 @@ def test_a_bug_on_one_rank_stops_every_rank_and_keeps_its_traceback_there(tmp_pa
     got = [(tmp_path / f"out.{rank}").read_text() for rank in range(2)]
     assert got[1] == "KeyError 'typo' from <lambda>"  # the rank that met it: the exception itself
     assert got[0].startswith("SystemExit error: KeyError: 'typo' (test_ppo_rlhf.py:")  # the others
+
+
+def entropy_case(rank):
+    """trl_case's micro-batch of one rank, with its entropies: rank 1's higher than rank 0's."""
+    new, old, advantages, mask, _, ref = trl_case(rank)
+    new = (old + 0.1 * (new - old).clamp(-1, 1)).detach().requires_grad_()
+    entropy = torch.rand(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    return new, old, advantages, mask, ref, entropy + rank
+
+
+def entropy_worker(rank, port, out_file):
+    init_gloo(rank, port)
+    new, old, advantages, mask, ref, entropy = entropy_case(rank)
+    args = P.Args(top_entropy_quantile=0.3, kl_in="loss", kl_coef=0.04, kl_estimator="k3")
+    P.check_args(args)
+    mb = dict(logprobs=old, advantages=advantages, response_mask=mask, ref_logprobs=ref,
+              entropies=P.all_ranks_cat(entropy[mask]))  # as ppo_epochs gathers them
+    loss, _, _, tokens = P.ppo_loss(new, entropy, None, mb, 0.04, args)
+    torch.save((loss.item(), torch.autograd.grad(loss, new)[0], tokens["entropy_masked"]),
+               f"{out_file}.{rank}")
+    P.leave_process_group()
+
+
+@needs_gloo
+def test_the_high_entropy_quantile_spans_every_ranks_loss_tokens(tmp_path):
+    """2 ranks, --top_entropy_quantile 0.3: each rank's micro-batch keeps the tokens at or above
+    the 0.7-quantile of both ranks' loss-token entropies (TRL gathers them), value and gradient as
+    naive_entropy_masked_clip's; one rank's own quantile would keep other tokens."""
+    spawn_2(entropy_worker, str(tmp_path / "out"))
+    cases = [entropy_case(rank) for rank in range(2)]
+    both = torch.cat([entropy[mask] for _, _, _, mask, _, entropy in cases])
+    for rank, (new, old, advantages, mask, ref, entropy) in enumerate(cases):
+        loss, grad, masked = torch.load(tmp_path / f"out.{rank}")
+        theirs = naive_entropy_masked_clip(new, old, advantages, mask, entropy, both, 0.3, 0.04,
+                                           ref)
+        assert abs(loss - theirs.item()) < 1e-10
+        assert torch.allclose(grad, torch.autograd.grad(theirs, new)[0], rtol=0, atol=1e-10)
+        alone = P.high_entropy_tokens(entropy, mask, entropy[mask], 0.3)
+        assert not torch.equal(mask & ~alone, masked)  # the test has teeth
+    assert cases[0][-1].max() < cases[1][-1].min()  # rank 1's entropies all higher
 
 
 def spy_on_updates(monkeypatch):
@@ -4653,7 +5023,8 @@ def main_worker(rank, port, tiny, output_dir, flags, out_file):
         P.main(P.Args(**{**dict(model_name_or_path=tiny["gpt2"], reward_fn=[f"{__file__}:num_words"],
                                 dataset=tiny["prompts"], output_dir=output_dir, total_episodes=16,
                                 per_device_train_batch_size=4, num_mini_batches=1, num_ppo_epochs=1, response_length=6,
-                                stop_token_id=5, num_sample_generations=0), **flags}))
+                                stop_token_id=5, num_sample_generations=0, eval_on_start=False),
+                             **flags}))
     torch.save([batch for batch, *_ in calls], f"{out_file}.{rank}")
     del calls  # it holds the DDP model
     P.leave_process_group()  # once the models that hold the group are freed
@@ -4947,8 +5318,9 @@ def mismatch_metrics(mu, old, mask):
     trained = SimpleNamespace(stats={}, optimizer_steps=1, steps_per_epoch=1,
                               train_tokens=int(mask.sum()))
     models = SimpleNamespace(ref_policy=None, value_model=None, builtin_reward=False,
-                             reward_models=[], reward_fns=[object()])
-    args = SimpleNamespace(num_generations=1, gradient_accumulation_steps=1, kl_in="reward")
+                             reward_models=[], reward_fns=[(num_words, "num_words", None)])
+    args = SimpleNamespace(num_generations=1, gradient_accumulation_steps=1, kl_in="reward",
+                           reward_model_path=None)
     rt = P.Runtime(low_dtype=torch.bfloat16)
     averaged, _ = P.update_metrics(batch, trained, models, args, rt)
     return averaged
