@@ -445,9 +445,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, args, weights=None):
         log_v = 0.0 if weights is None else weights.log().clamp(floor, 20.0)  # w holds them
         log_w = torch.where(mask, log_ratio.clamp(-20.0, 20.0) + log_v, 0.0).sum(-1, keepdim=True)
         log_w, weights = log_w.clamp(floor, 20.0), None  # (B, 1)
-        ks = ratio.new_tensor([args.vespo_k_pos, args.vespo_k_neg])  # where A >= 0, where A < 0
-        lams = ratio.new_tensor([args.vespo_lambda_pos, args.vespo_lambda_neg])
-        k, lam = torch.where(advantages >= 0, *ks), torch.where(advantages >= 0, *lams)
+        positive = advantages >= 0
+        k = torch.where(positive, args.vespo_k_pos, args.vespo_k_neg)
+        lam = torch.where(positive, args.vespo_lambda_pos, args.vespo_lambda_neg)
         phi = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(0.0, 0.0, 0.0).detach()
         loss = -phi * advantages * logprobs
         is_clipped = torch.zeros_like(loss, dtype=torch.bool)
@@ -882,8 +882,8 @@ def main(args: Args):
         for update in range(start_update, last_update):
             model.eval()  # 4.x: train() mode drops the KV cache
             if update == 0 and args.eval_on_start and inputs.eval_prompts:  # the policy before
-                log.before_training(*evaluate(models, inputs.eval_prompts, -1, args, rt,
-                                              trainer_state(0, sizes, args, prompts)))
+                log.evaluation(*evaluate(models, inputs.eval_prompts, -1, args, rt,
+                                         trainer_state(0, sizes, args, prompts)), True)
             log.start_update()  # the clock of its phases
             done = {**progress, "kl_coef": kl_coef}  # the loop's state after `update` updates
             save = partial(checkpoint, output_dir, update, done, *saved, failing=True)  # on failure
@@ -1029,6 +1029,15 @@ FLAG_RANGES = {
 }
 # What check_args refuses of flags together: {the error: when}; ranges are checked first.
 FLAG_CONFLICTS = {
+    "--advantage_estimator: a group baseline compares the responses to one prompt: give "
+    "--num_generations >= 2": lambda a: ESTIMATORS[a.advantage_estimator]["grouped"]
+        and a.num_generations == 1,
+    "--value_model_path is unused: the --advantage_estimator has no value model":
+        lambda a: a.value_model_path and not ESTIMATORS[a.advantage_estimator]["learns_value"],
+    "--overlong_buffer is over --response_length": lambda a: a.overlong_buffer > a.response_length,
+    "--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards only; use "
+    "--dtype bf16":
+        lambda a: a.dtype == "fp16" and a.distributed == "fsdp" and "RANK" in os.environ,
     "--ref_model_path is unused: --kl_coef 0 has no KL term":
         lambda a: a.ref_model_path and a.kl_coef == 0,
     "--ref_model_path is unused with --lora_r: the reference is the policy, adapter off":
@@ -1124,25 +1133,12 @@ def check_args(args):
     if sizes.local_mini_batch_size % args.gradient_accumulation_steps:
         fail(f"minibatch {sizes.local_mini_batch_size} is not divisible by "
              f"--gradient_accumulation_steps {args.gradient_accumulation_steps}")
-    estimator = ESTIMATORS[args.advantage_estimator]
-    if estimator["grouped"] and args.num_generations == 1:  # a group of one
-        fail(f"--advantage_estimator {args.advantage_estimator} compares the responses to one "
-             "prompt: give --num_generations >= 2")
-    if args.value_model_path and not estimator["learns_value"]:
-        fail(f"--value_model_path is unused: --advantage_estimator {args.advantage_estimator} has "
-             "no value model")
     for message, refused in FLAG_CONFLICTS.items():
         if refused(args):
             fail(message)
-    if args.overlong_buffer > args.response_length:
-        fail(f"--overlong_buffer {args.overlong_buffer} is over --response_length "
-             f"{args.response_length}")
     if args.total_episodes < sizes.batch_size:
         fail(f"--total_episodes {args.total_episodes} is less than one rollout batch "
              f"({sizes.batch_size} over all ranks)")
-    if "RANK" in os.environ and args.distributed == "fsdp" and args.dtype == "fp16":
-        fail("--dtype fp16 with --distributed fsdp: GradScaler would skip steps on some shards "
-             "only; use --dtype bf16")
     sizes.flags = given
     return sizes
 
@@ -2640,21 +2636,18 @@ def start_lines(args, sizes, rt, inputs, models, output_dir):
             f"{models.value_source}{head}{lora}\nflags: {sizes.flags}")
 
 
-def update_columns(args, models):
-    """The update line's columns that this run has, as a format of its metrics."""
-    columns = {
-        "success {objective/success_rate:4.0%}": models.builtin_reward,
-        "score {objective/scores:.3f}": True,
-        "kl {objective/kl:.3f}": models.ref_policy is not None,
-        "approxkl {policy/approxkl_avg:.4f}": True,
-        "clipfrac {policy/clipfrac_avg:.3f}": True,  # whatever the loss clips or caps (SAPO: 0)
-        "masked {policy/off_policy_masked_frac:.3f}": args.off_policy_mask_threshold is not None,
-        "filtered {objective/frac_reward_zero_std:.2f}": args.filter_zero_std_groups,
-        "vloss {loss/value_avg:.4f}  "
-        "ev {val/explained_variance:.2f}": models.value_model is not None,
-        "len {val/mean_response_length:.1f}": True,
-        "rm_spread {objective/rm_spread:.3f}": len(models.reward_models) > 1}
-    return "".join(f"{column}  " for column, shown in columns.items() if shown)
+# The update line: a column for each of these metrics the run has: name, metrics.jsonl key, format.
+COLUMNS = [line.split() for line in """success objective/success_rate 4.0%
+    score objective/scores .3f
+    kl objective/kl .3f
+    approxkl policy/approxkl_avg .4f
+    clipfrac policy/clipfrac_avg .3f
+    masked policy/off_policy_masked_frac .3f
+    zero_std objective/frac_reward_zero_std .2f
+    vloss loss/value_avg .4f
+    ev val/explained_variance .2f
+    len val/mean_response_length .1f
+    rm_spread objective/rm_spread .3f""".splitlines()]  # clipfrac: whatever the loss clips or caps
 
 
 class Logger:
@@ -2676,7 +2669,6 @@ class Logger:
         self.evaluated = {updates - 1, *(range(0, updates, max(1, updates // n)) if n else ())}
         self.last, self.logged, self.start_time = None, 0, time.time()
         self.window, self.quiet_until = deque(maxlen=args.health_window), {}  # {hint: update}
-        self.columns = update_columns(args, models)
         self.has_stop_token = bool(models.stop_token_ids)
 
     def start_update(self):
@@ -2708,8 +2700,12 @@ class Logger:
                 list(s.values()) for s in samples])} if samples else {}
             self.wandb.log({**m, **tables}, step=m["update"])
 
-    def evaluation(self, m, samples):
-        """The held-out evaluation's line and its first samples (None: no source scored it)."""
+    def evaluation(self, m, samples, before_training=False):
+        """The held-out evaluation's line and its first samples (None: no source scored it); one
+        before the first update (--eval_on_start) is written as update 0."""
+        if before_training:
+            self.write({"update": 0, "episode": 0, **m}, samples)
+            self.print(f"update 0/{self.sizes.num_updates}  before training")
         success = f"success {m['eval/success_rate']:4.0%}  " if "eval/success_rate" in m else ""
         spread = f"rm_spread {m['eval/rm_spread']:.3f}  " if "eval/rm_spread" in m else ""
         self.print(f"  eval {success}score {m['eval/score']:.3f}  len "
@@ -2718,12 +2714,6 @@ class Logger:
         for s in samples[:3]:
             score = "None" if s["score"] is None else f"{s['score']:.2f}"
             self.print(f"    {s['prompt']!r} -> {s['completion']!r}  score {score}")
-
-    def before_training(self, metrics, samples):
-        """The evaluation before the first update (--eval_on_start), as update 0."""
-        self.write({"update": 0, "episode": 0, **metrics}, samples)
-        self.print(f"update 0/{self.sizes.num_updates}  before training")
-        self.evaluation(metrics, samples)
 
     def update(self, update, lr, metrics, token_counts, batch, prompts, rows, samples):
         """One update into metrics.jsonl, its samples into samples.jsonl; its lines."""
@@ -2735,12 +2725,12 @@ class Logger:
             "update": update, "episode": update * self.sizes.batch_size, "lr": lr, **metrics,
             "eps": self.logged * self.sizes.batch_size / elapsed,
             "time/update_s": time.perf_counter() - self.start, **t,
-            **{f"time/{name}_tokens_per_s": n / max(t[f"time/{lap}_s"], 1e-9) for name, lap, n in
-               zip(("rollout", "score", "train"), ("generate", "score", "train"), token_counts)},
+            **{f"time/{lap}_tokens_per_s": n / max(t[f"time/{lap}_s"], 1e-9)
+               for lap, n in zip(("generate", "score", "train"), token_counts)},
             "memory/peak_mib": peak_memory}
         self.write(m, samples)
         hms = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
-        columns = self.columns.format_map(defaultdict(lambda: math.nan, m))  # NaN: not this update
+        columns = "".join(f"{name} {m[key]:{fmt}}  " for name, key, fmt in COLUMNS if key in m)
         self.print(f"update {update}/{self.sizes.num_updates}  {columns}| "
                    f"{m['time/update_s']:.2f}s: generate {t['time/generate_s']:.2f}  score "
                    f"{t['time/score_s']:.2f}  train {t['time/train_s']:.2f}  | {peak_memory:.0f} "

@@ -3143,13 +3143,9 @@ def test_bad_input_found_while_running_gets_a_one_line_error_and_writes_nothing(
     assert not os.path.exists(os.path.join(args.output_dir, "policy"))
 
 
-def fork_with_no_branch(tmp_path):
-    """A throwaway fork that adds an --advantage_estimator value and its row, but not its branch."""
+def forked(tmp_path, edits):
+    """ppo_rlhf.py with each of edits {old: new} made once, saved and imported as a throwaway fork."""
     source = open(SCRIPT).read()
-    edits = {'"reinforce_pp_baseline"] = "gae"': '"reinforce_pp_baseline", "forgotten"] = "gae"',
-             '"reinforce_pp_baseline": dict(grouped=True, whitened=True, learns_value=False)}':
-             '"reinforce_pp_baseline": dict(grouped=True, whitened=True, learns_value=False),\n'
-             '              "forgotten": dict(grouped=True, whitened=False, learns_value=False)}'}
     for old, new in edits.items():
         assert source.count(old) == 1, old
         source = source.replace(old, new)
@@ -3158,6 +3154,15 @@ def fork_with_no_branch(tmp_path):
     fork = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fork)
     return fork
+
+
+def fork_with_no_branch(tmp_path):
+    """A throwaway fork that adds an --advantage_estimator value and its row, but not its branch."""
+    edits = {'"reinforce_pp_baseline"] = "gae"': '"reinforce_pp_baseline", "forgotten"] = "gae"',
+             '"reinforce_pp_baseline": dict(grouped=True, whitened=True, learns_value=False)}':
+             '"reinforce_pp_baseline": dict(grouped=True, whitened=True, learns_value=False),\n'
+             '              "forgotten": dict(grouped=True, whitened=False, learns_value=False)}'}
+    return forked(tmp_path, edits)
 
 
 def test_a_run_that_fails_before_its_first_update_line_leaves_no_folder(tiny, tmp_path):
@@ -3423,8 +3428,8 @@ def test_the_start_names_the_flags_and_the_update_line_each_losss_columns(tiny, 
                                                                          loss):
     """A second start line lists the algorithmic flags given other values than their defaults, as a
     command that reproduces the run (parsed back: the same algorithmic fields); the update line has
-    fixed columns: the clipped share as clipfrac whatever the loss (what it clips or caps; SAPO:
-    0), and the masked and filtered shares when those switches are on."""
+    a column for each metric the run has: the clipped share as clipfrac whatever the loss (what it
+    clips or caps; SAPO: 0), the off-policy mask's share where it is on, the zero-std share."""
     flags = LOSS_COLUMNS[loss]
     args = run_args(tiny, tmp_path, reward_model_path=None, reward_fn=[f"{__file__}:count_w1"],
                     advantage_estimator="grpo", num_generations=2, total_episodes=8, **flags)
@@ -3438,8 +3443,8 @@ def test_the_start_names_the_flags_and_the_update_line_each_losss_columns(tiny, 
     assert algorithmic(parsed) == algorithmic(args)
     update = next(line for line in out if line.startswith("update 1/1 "))
     assert "  clipfrac " in update and " capped " not in update and " seq " not in update
-    for label in ("  masked ", "  filtered "):
-        assert (label in update) == (loss == "gspo"), (label, update)
+    assert ("  masked " in update) == (loss == "gspo")  # the off-policy mask's share, where on
+    assert "  zero_std " in update  # the groups of no signal (k = 2), filtered or not
 
 
 def test_the_flags_line_is_the_flags_as_given_at_any_world_size(monkeypatch):
@@ -4776,7 +4781,6 @@ def test_one_round_of_replay_trains_on_the_last_batch_and_this_one(tiny, tmp_pat
 def process_reward_fork(tmp_path):
     """A throwaway fork, as the README's How to fork invites: a per-token process reward (0.01 x the
     token's id), an argument of advantages_and_returns that main passes, added to p_t. -> it."""
-    source = open(SCRIPT).read()
     edits = {"def advantages_and_returns(scores, kl, kl_coef, values, mask, loss_mask, args):":
              "def advantages_and_returns(scores, kl, kl_coef, values, mask, loss_mask, args,\n"
              "                           process=None):",
@@ -4787,14 +4791,7 @@ def process_reward_fork(tmp_path):
              '            scores, kl, kl_coef, batch["values"], mask, loss_mask, args))':
              '            scores, kl, kl_coef, batch["values"], mask, loss_mask, args,\n'
              '            process=0.01 * batch["query_responses"][:, batch["context_length"]:]))'}
-    for old, new in edits.items():
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    (tmp_path / "fork_ppo_rlhf.py").write_text(source)
-    spec = importlib.util.spec_from_file_location("fork_ppo_rlhf", tmp_path / "fork_ppo_rlhf.py")
-    fork = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fork)
-    return fork
+    return forked(tmp_path, edits)
 
 
 @pytest.mark.parametrize("correction", ["naive", "decoupled"])
