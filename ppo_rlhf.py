@@ -767,8 +767,6 @@ def ppo_epochs(model, optimizer, scaler, batch, args, sizes, rt):
                         ids_mask = batch["attention_mask"][rows, :width]
                         new_logprobs, entropy, new_values = model(ids, ids_mask, context_length,
                                                                   args.temperature)
-                    if args.top_entropy_quantile < 1:  # the loss tokens' entropies, all ranks'
-                        mb["entropies"] = all_ranks_cat(entropy.detach()[mb["response_mask"]])
                     policy_term, vf_loss, losses, tokens = ppo_loss(
                         new_logprobs, entropy, new_values, mb, batch["kl_coef"], args)
                     loss = policy_term * policy_share
@@ -815,8 +813,9 @@ def ppo_loss(new_logprobs, entropy, new_values, mb, kl_coef, args):
         tokens["off_policy_masked"] = out = negative & (drift > args.off_policy_mask_threshold)
         pg_tokens = pg_tokens * ~out
     q = args.top_entropy_quantile
-    if q < 1:  # the policy term (and H) of the highest-entropy tokens only
-        high = high_entropy_tokens(entropy.detach(), mask, mb["entropies"], q)
+    if q < 1:  # the policy term (and H) of the highest-entropy tokens only, over all ranks' tokens
+        entropies = all_ranks_cat(entropy.detach()[mask])  # a collective: every rank is here
+        high = high_entropy_tokens(entropy.detach(), mask, entropies, q)
         tokens["entropy_masked"] = mask & ~high
         pg_tokens, entropy = pg_tokens * high, entropy * high
     policy_term = agg(pg_tokens)
@@ -888,8 +887,7 @@ def main(args: Args):
             done = {**progress, "kl_coef": kl_coef}  # the loop's state after `update` updates
             save = partial(checkpoint, output_dir, update, done, *saved, failing=True)  # on failure
             ON_FAILURE[:] = [save] if update else []
-            # each rank's slice, seed from (seed, update, rank) (ints hash to themselves): exact
-            # resumes
+            # this rank's slice; seeds from (seed, update, rank) (ints hash to themselves): resumes
             rows = prompt_indices(len(prompts.ids), sizes.local_num_prompts, update, args.seed,
                                   rt.rank, rt.world_size)
             rows = rows.repeat_interleave(args.num_generations).tolist()  # a group: k rows
@@ -925,11 +923,10 @@ def main(args: Args):
 
             # 3. KL: KL_t of every response token, an estimate of KL(π_old‖π_ref) from its samples
             kl = kl_estimate(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator)
-            kl = kl.where(mask, 0.0)
+            kl = kl.where(mask, 0.0)  # (B, R)
 
-            # 4. rewards and advantages: r_t = −β·KL_t (unless the KL is a loss term), plus the
-            # score (minus its group's baseline, value-free) on the last real token; GAE, whitened
-            # over the tokens in the loss (value-free: the reward-to-go)
+            # 4. rewards and advantages: r_t = −β·KL_t (or the KL is a loss term) + the score (minus
+            # its group's baseline) on the last token; GAE, whitened over the tokens in the loss
             loss_mask = mask  # phase 4 leaves out the rows with no baseline (no score)
             if args.mask_truncated_completions:
                 loss_mask = loss_mask & ~batch["truncated"][:, None]
@@ -950,8 +947,7 @@ def main(args: Args):
             with warnings.catch_warnings():  # no warning if no step was taken
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
                 lr_scheduler.step()
-            progress["bad_updates"] = log.count_bad_updates(progress["bad_updates"],
-                                                            trained.stop_reason, update)
+            log.count_bad_updates(progress, trained.stop_reason, update)
             log.lap("train")
 
             # 6. log: TRL's metric names, over the global batch and all micro-batches of all epochs
@@ -1177,18 +1173,7 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
     outside = [i for i in stop_token_ids if not 0 <= i < vocab_size]  # not grown for a pad
     if outside:
         fail(f"--stop_token_id {outside}: not in the policy's vocabulary [0, {vocab_size})")
-    lr = args.learning_rate
-    for path in resume_candidates(args, output_dir)[:1]:  # resume()'s first; auto skips damaged
-        try:  # with no --learning_rate, the checkpoint's
-            check_checkpoint(path, args, stop_token_ids, int(os.environ.get("WORLD_SIZE", 1)))
-        except DAMAGED as e:  # a checkpoint that cannot be read
-            if args.resume != "auto":
-                fail(f"--resume {path!r}: {one_line(e)}")
-    lr_source = "--learning_rate" if lr is not None else "the checkpoint's"
-    if args.learning_rate is None:  # a real model's 1e-6 (TRL's); the built-in toy's 1e-3
-        builtin = args.model_name_or_path == "builtin"
-        args.learning_rate = 1e-3 if builtin else 1e-6
-        lr_source = "the built-in task's" if builtin else "a real model's default, TRL's"
+    lr_source = check_resume(args, output_dir, stop_token_ids)
     if not stop_token_ids and int(os.environ.get("RANK", 0)) == 0:
         say("note: no stop id (--stop_token, --stop_token_id, the tokenizer, generation_config): "
             f"every response runs to --response_length {args.response_length}")
@@ -1217,6 +1202,23 @@ def check_inputs(args, model_path, dataset, eval_dataset, output_dir):
                            eval_prompts=prompt_sets.get("eval_dataset"), lr_source=lr_source,
                            stop_token_ids=stop_token_ids,
                            **check_rewards(args, tokenizer, configs, prompt_sets, stop_token_ids))
+
+
+def check_resume(args, output_dir, stop_token_ids):
+    """The checkpoint to resume (resume()'s first; auto skips a damaged one) against this run; the
+    learning rate: given, else the checkpoint's, else the default. -> where it comes from."""
+    lr = args.learning_rate
+    for path in resume_candidates(args, output_dir)[:1]:
+        try:  # with no --learning_rate, the checkpoint's
+            check_checkpoint(path, args, stop_token_ids, int(os.environ.get("WORLD_SIZE", 1)))
+        except DAMAGED as e:  # a checkpoint that cannot be read
+            if args.resume != "auto":
+                fail(f"--resume {path!r}: {one_line(e)}")
+    if args.learning_rate is None:  # a real model's 1e-6 (TRL's); the built-in toy's 1e-3
+        builtin = args.model_name_or_path == "builtin"
+        args.learning_rate = 1e-3 if builtin else 1e-6
+        return "the built-in task's" if builtin else "a real model's default, TRL's"
+    return "--learning_rate" if lr is not None else "the checkpoint's"
 
 
 def check_configs(args, model_path):
@@ -2326,9 +2328,8 @@ def resume(output_dir, model, optimizer, lr_scheduler, scaler, args, rt, models,
         fail(f"--resume: the ranks loaded different checkpoints (this one: update {start_update}); "
              "is --output_dir on a filesystem every node sees?")
     for path in filter(os.path.exists, logs):  # no duplicate line, no gap
-        with open(path) as f:
+        with open(path) as f, open(path + ".tmp", "w") as g:
             kept = [ln for ln in f if ln.strip() and json.loads(ln)["update"] <= start_update]
-        with open(path + ".tmp", "w") as g:
             g.writelines(kept)
         os.replace(path + ".tmp", path)
         for m in map(json.loads, kept if path == logs[0] else []):  # the hints, as they were
@@ -2678,16 +2679,18 @@ class Logger:
         """Seconds of the phase `name`: since the previous lap, or the update's start."""
         self.laps[f"time/{name}_s"] = time.perf_counter() - self.start - sum(self.laps.values())
 
-    def count_bad_updates(self, bad_updates, stop_reason, update):
-        """A non-finite loss or gradient skips the update; three in a row stop the run."""
+    def count_bad_updates(self, progress, stop_reason, update):
+        """A non-finite loss or gradient skips the update; three in a row stop the run (the streak:
+        progress["bad_updates"], checkpointed)."""
         if stop_reason not in ("non-finite loss", "non-finite gradient"):
-            return 0
+            progress["bad_updates"] = 0
+            return
         self.print(f"warning: update {update + 1}: {stop_reason}; skipped the rest of this update",
                    file=sys.stderr)
-        if bad_updates >= 2:
+        if progress["bad_updates"] >= 2:
             fail("3 updates in a row had a non-finite loss or gradient; lower --learning_rate, "
                  "check the reward scale, or use --dtype fp32")
-        return bad_updates + 1
+        progress["bad_updates"] += 1
 
     def write(self, m, samples):
         """A metrics line into metrics.jsonl, samples into samples.jsonl (whole lines), wandb."""

@@ -850,7 +850,7 @@ def test_luspo_equals_trls_loss_in_value_and_gradient():
 def test_the_trl_losses_run_end_to_end_and_log_what_they_did(tiny, tmp_path, loss):
     """A few updates of main() with each: VESPO logs vespo/phi_seq_mean (1 where it steps once per
     update: w = 1 on-policy), the high-entropy mask the share of loss tokens it left out (about 1 −
-    q, the quantile over the micro-batch: ppo_epochs gathers the entropies)."""
+    q, the quantile over the micro-batch's loss tokens)."""
     flags = {"vespo": dict(policy_loss="vespo", advantage_estimator="grpo", num_generations=2,
                            num_ppo_epochs=1, num_mini_batches=1),
              "luspo": dict(importance_sampling_level="sequence", loss_agg="seq_mean_token_sum",
@@ -899,8 +899,7 @@ def test_the_high_entropy_mask_equals_trls_in_value_and_gradient(beta):
         entropy = torch.rand(5, 6, dtype=torch.float64, generator=gen)
         args = P.Args(top_entropy_quantile=q, kl_in="loss", kl_coef=beta, kl_estimator="k3")
         P.check_args(args)
-        mb = dict(logprobs=old, advantages=advantages, response_mask=mask, ref_logprobs=ref,
-                  entropies=entropy[mask])
+        mb = dict(logprobs=old, advantages=advantages, response_mask=mask, ref_logprobs=ref)
         ours, _, _, tokens = P.ppo_loss(new, entropy, None, mb, beta, args)
         theirs = naive_entropy_masked_clip(new, old, advantages, mask, entropy, entropy[mask], q,
                                            beta, ref)
@@ -4504,9 +4503,8 @@ def entropy_worker(rank, port, out_file):
     new, old, advantages, mask, ref, entropy = entropy_case(rank)
     args = P.Args(top_entropy_quantile=0.3, kl_in="loss", kl_coef=0.04, kl_estimator="k3")
     P.check_args(args)
-    mb = dict(logprobs=old, advantages=advantages, response_mask=mask, ref_logprobs=ref,
-              entropies=P.all_ranks_cat(entropy[mask]))  # as ppo_epochs gathers them
-    loss, _, _, tokens = P.ppo_loss(new, entropy, None, mb, 0.04, args)
+    mb = dict(logprobs=old, advantages=advantages, response_mask=mask, ref_logprobs=ref)
+    loss, _, _, tokens = P.ppo_loss(new, entropy, None, mb, 0.04, args)  # gathers over both
     torch.save((loss.item(), torch.autograd.grad(loss, new)[0], tokens["entropy_masked"]),
                f"{out_file}.{rank}")
     P.leave_process_group()
