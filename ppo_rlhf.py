@@ -2401,10 +2401,8 @@ def checkpoint(output_dir, update, progress, model, optimizer, lr_scheduler, sca
     line = (f"saved {path}; continue with the same flags plus: --output_dir {output_dir} "
             "--resume auto")  # how to go on
     if stop:
-        log.print(line)
-        if rt.rank == 0:  # in the run folder too: a `| tee` dies with the Ctrl-C
-            with open(os.path.join(output_dir, "stopped.txt"), "w") as f:
-                f.write(f"stopped by a signal after update {update}\n{line}\n")
+        log.print(line)  # in the run folder too: a `| tee` dies with the Ctrl-C
+        log.stopped(f"stopped by a signal after update {update}\n{line}")
     return f"; {line}" if failing else stop
 
 
@@ -2773,9 +2771,14 @@ class Logger:
                 if newest and "--resume auto" not in why:
                     why += (f"; the newest checkpoint is {newest[0]}: continue with the same flags "
                             f"plus: --output_dir {self.output_dir} --resume auto")
-                with open(os.path.join(self.output_dir, "stopped.txt"), "w") as f:
-                    f.write(why + "\n")
+                self.stopped(why)
             raise
+
+    def stopped(self, why):
+        """stopped.txt in the run folder: why the run stopped short of its end, how to go on."""
+        if self.rt.rank == 0:
+            with open(os.path.join(self.output_dir, "stopped.txt"), "w") as f:
+                f.write(why + "\n")
 
     def finish(self, message):
         """The run is complete: its last line; a stopped.txt of an earlier stop goes."""
